@@ -87,7 +87,6 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
-    swap_space_bytes: int = 0
     kv_allocator: str = "paged"
 
     def __post_init__(self) -> None:
@@ -115,6 +114,14 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
+    # host (CPU) swap space for preemption_mode="swap", in GiB as vLLM's `swap_space`;
+    # None = as many host blocks as device blocks when swapping, else none
+    swap_space: float | None = None
+    gpu_memory_utilization: float = 0.9
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:

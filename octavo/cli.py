@@ -1,0 +1,134 @@
+"""`octavo demo | generate | chat | bench` (and `serve`, once the server lands)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (vLLM's flag names)")
+    g.add_argument("--model", default=None, help="local HF Llama-family directory "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--kv-allocator", default="paged", choices=["paged", "contiguous"])
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
+        scheduling_policy=args.scheduling_policy, kv_allocator=args.kv_allocator, seed=args.seed,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--sampling-seed", dest="sampling_seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace):
+    from octavo import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, n=args.n, seed=args.sampling_seed,
+    )
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job for now: prepare the default model, answer one chat turn, show speed."""
+    from octavo import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    print(f"loaded {llm.engine.model_dir} in {time.perf_counter() - t0:.1f}s", flush=True)
+    question = args.prompt or "What is PagedAttention, in two sentences?"
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    t1 = time.perf_counter()
+    out = llm.chat([{"role": "user", "content": question}], params, use_tqdm=False)[0]
+    elapsed = time.perf_counter() - t1
+    n = len(out.outputs[0].token_ids)
+    print(f"user: {question}\nassistant: {out.outputs[0].text.strip()}")
+    print(f"[{n} tokens in {elapsed:.2f}s = {n / elapsed:.1f} tokens/s, "
+          f"finish_reason={out.outputs[0].finish_reason}]")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from octavo import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    t = time.perf_counter()
+    outs = llm.generate(args.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    total = 0
+    for out in outs:
+        for o in out.outputs:
+            total += len(o.token_ids)
+            tag = f"[{out.request_id}.{o.index}]" if params.n > 1 else f"[{out.request_id}]"
+            print(f"{tag} {out.prompt!r} -> {o.text!r} ({o.finish_reason})")
+    print(f"{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from octavo.chat import run_chat
+
+    return run_chat(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="octavo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="answer one chat question with the default model")
+    add_engine_args(p)
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("generate", help="complete one or more prompts")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=64)
+    p.add_argument("prompts", nargs="+")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("chat", help="interactive terminal chat (streams; /reset, /quit)")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=256)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError) as e:
+        print(f"octavo: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

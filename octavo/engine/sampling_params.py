@@ -1,0 +1,188 @@
+"""Per-request sampling settings, with vLLM's names, defaults and validation.
+
+Names and defaults follow vLLM so that users (and the OpenAI server layer) can pass the same
+arguments. Validation happens once, at construction, so the engine and sampler can trust the
+values and never re-check them on the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+# Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by a
+# near-zero temperature overflows, and the result is argmax anyway.
+SAMPLING_EPS = 1e-5
+
+
+class SamplingType(IntEnum):
+    """How the sampler picks a row's token; lets the engine group rows cheaply."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one request (see vLLM's SamplingParams for the semantics)."""
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    # Filled by the engine from the tokenizer/config (vLLM keeps the same private fields):
+    # EOS plus stop_token_ids, banned while fewer than min_tokens were generated.
+    all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.top_k == -1:
+            # vLLM historically used -1 for "disabled" and now uses 0; store one spelling.
+            self.top_k = 0
+        self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        _check_int("best_of", self.best_of)
+        if self.best_of < self.n:
+            raise ValueError(
+                f"best_of must be greater than or equal to n, got n={self.n} and "
+                f"best_of={self.best_of}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}"
+            )
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}"
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if value < 0:
+                    raise ValueError(f"{name} must be non-negative, got {value}")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id)
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop cannot contain an empty string")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the row takes argmax (temperature below SAMPLING_EPS)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters to hold back while streaming so a partial stop string never leaks."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def update_from_tokenizer(self, eos_token_id: int | None) -> None:
+        """Record EOS among the tokens banned before min_tokens (unless ignore_eos)."""
+        if eos_token_id is not None and not self.ignore_eos:
+            self.all_stop_token_ids.add(eos_token_id)
+
+    def clone(self) -> SamplingParams:
+        """Deep-enough copy: lists are copied so per-sequence edits don't leak."""
+        from copy import deepcopy
+
+        return deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """Settings of a beam search request (vLLM's BeamSearchParams)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width)
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+
+
+def _normalise_stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    stop = list(stop)
+    if not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    return stop
+
+
+def _check_int(name: str, value: object) -> None:
+    # bool is an int subclass; True as n=1 is almost certainly a caller bug.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")

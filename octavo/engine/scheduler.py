@@ -1,0 +1,271 @@
+"""Iteration-level (continuous-batching) scheduler with chunked prefill and preemption.
+
+Every step builds one batch under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``): running requests first (their decode tokens, or the next chunk of a prompt),
+then requests swapped out earlier, then waiting prompts, a long prompt split over several steps.
+When blocks run out, the lowest-ranked running request (last arrived, or lowest priority under
+the priority policy) is preempted: its blocks are freed and it is recomputed later (cached prefix
+blocks make that cheap), or its blocks are swapped out to the host pool and back in later.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from octavo.engine.request import Request, RequestStatus, Sequence
+
+
+class KVAllocator(Protocol):
+    """What the scheduler needs from a KV manager (paged or contiguous)."""
+
+    block_size: int
+
+    def find_cached_prefix(self, token_ids, extra_key=None) -> int: ...
+    def can_allocate(self, token_ids, num_new_tokens: int, extra_key=None) -> bool: ...
+    def allocate(self, seq_id: int, token_ids, num_new_tokens: int, extra_key=None,
+                 **hints) -> int: ...
+    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int: ...
+    def num_free_blocks(self) -> int: ...
+    def append_slots(self, seq_id: int, token_ids, num_new_tokens: int) -> None: ...
+    def fork(self, parent_id: int, child_id: int) -> None: ...
+    def free(self, seq_id: int) -> None: ...
+    def take_block_copies(self) -> list[tuple[int, int]]: ...
+    def can_swap_out(self, seq_ids) -> bool: ...
+    def swap_out(self, seq_ids) -> list[tuple[int, int]]: ...
+    def can_swap_in(self, seq_ids) -> bool: ...
+    def swap_in(self, seq_ids) -> list[tuple[int, int]]: ...
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start_pos: int
+    num_new_tokens: int
+    sample: bool  # the sequence catches up with its tokens: sample the next one
+    prompt_logits: bool  # logits for every token (prompt logprobs)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVAllocator) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.num_preemptions = 0
+        self.peak_running_seqs = 0
+        if config.scheduling_policy == "priority":
+            self._key = lambda r: r.sort_key
+        else:
+            self._key = lambda r: r.arrival_index
+
+    # ---- queues ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=self._key)
+
+    def remove_request(self, request: Request) -> None:
+        """Take a request out of whatever queue holds it and free all its blocks (abort)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        for seq in request.seqs:
+            self.kv.free(seq.seq_id)
+
+    def finish_seq(self, seq: Sequence) -> None:
+        self.kv.free(seq.seq_id)
+        request = seq.request
+        if request.is_finished and request in self.running:
+            self.running.remove(request)
+            request.status = RequestStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.live_seqs) for r in self.running)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            plan = self._chunk_plan(request, budget)
+            while not self._fits(plan):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # it was the last running request, preempted itself
+            budget -= self._commit(request, plan, out)
+            i += 1
+
+        if not out.preempted:
+            budget = self._swap_in(out, budget)
+        if not out.preempted and not self.swapped:
+            self._admit_waiting(out, budget)
+        out.block_copies = self.kv.take_block_copies()
+        self.peak_running_seqs = max(self.peak_running_seqs, self.num_running_seqs)
+        return out
+
+    def _chunk_plan(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
+        plan = []
+        for seq in request.live_seqs:
+            n = min(seq.num_new_tokens, budget)
+            if n > 0:
+                plan.append((seq, n))
+                budget -= n
+        return plan
+
+    def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
+        need = sum(self.kv.num_blocks_needed(seq.seq_id, n) for seq, n in plan)
+        return need <= self.kv.num_free_blocks()
+
+    def _commit(self, request: Request, plan, out: SchedulerOutput) -> int:
+        for seq, n in plan:
+            start = seq.num_computed_tokens
+            self.kv.append_slots(seq.seq_id, seq.token_ids, n)
+            out.scheduled.append(self._scheduled(request, seq, start, n))
+        return sum(n for _, n in plan)
+
+    @staticmethod
+    def _scheduled(request: Request, seq: Sequence, start: int, n: int) -> ScheduledSeq:
+        wants_prompt_logprobs = (
+            request.params.prompt_logprobs is not None
+            and start < seq.num_prompt_tokens
+            and seq.index == 0
+            and (request.prompt_logprobs is None
+                 or len(request.prompt_logprobs) < seq.num_prompt_tokens)
+        )
+        return ScheduledSeq(
+            seq=seq,
+            start_pos=start,
+            num_new_tokens=n,
+            sample=start + n == len(seq.token_ids),
+            prompt_logits=wants_prompt_logprobs,
+        )
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        seq_ids = [s.seq_id for s in victim.live_seqs]
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
+            out.swap_out.extend(self.kv.swap_out(seq_ids))
+            victim.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, victim, key=self._key)
+            return
+        for seq in victim.live_seqs:
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, victim, key=self._key)
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0:
+            request = self.swapped[0]
+            seqs = request.live_seqs
+            if self.num_running_seqs + len(seqs) > self.config.max_num_seqs:
+                break
+            seq_ids = [s.seq_id for s in seqs]
+            if not self.kv.can_swap_in(seq_ids):
+                break
+            self.swapped.pop(0)
+            out.swap_in.extend(self.kv.swap_in(seq_ids))
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self._key)
+            plan = self._chunk_plan(request, budget)
+            if self._fits(plan):
+                budget -= self._commit(request, plan, out)
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            seqs = request.live_seqs
+            max_seqs = len(seqs) if len(request.seqs) > 1 else request.params.n
+            if self.running and self.num_running_seqs + max_seqs > self.config.max_num_seqs:
+                break
+            admitted = self._allocate(request, seqs, budget)
+            if admitted is None:
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self._key)
+            for seq, start, n in admitted:
+                out.scheduled.append(self._scheduled(request, seq, start, n))
+                budget -= n
+
+    def _allocate(self, request: Request, seqs: list[Sequence], budget: int):
+        """Allocate blocks for every sequence of a waiting request, or none (returns None)."""
+        use_cache = request.params.prompt_logprobs is None
+        salt = request.cache_salt
+        done: list[tuple[Sequence, int, int]] = []
+        for seq in seqs:
+            cached = self.kv.find_cached_prefix(seq.token_ids, salt) if use_cache else 0
+            n = min(len(seq.token_ids) - cached, budget)
+            if n <= 0 or not self.kv.can_allocate(seq.token_ids, n, salt if use_cache else None):
+                for s, _, _ in done:
+                    self.kv.free(s.seq_id)
+                    s.num_computed_tokens = 0
+                return None
+            computed = self.kv.allocate(
+                seq.seq_id, seq.token_ids, n, salt,
+                use_prefix_cache=use_cache,
+                reserve_tokens=request.num_prompt_tokens + self._max_tokens(request),
+            )
+            n = min(len(seq.token_ids) - computed, budget)
+            seq.num_computed_tokens = computed
+            done.append((seq, computed, n))
+            budget -= n
+        return done
+
+    def _max_tokens(self, request: Request) -> int:
+        limit = self.config.max_model_len - request.num_prompt_tokens
+        mt = request.params.max_tokens
+        return limit if mt is None else min(mt, limit)

@@ -1,0 +1,163 @@
+"""The offline API, with vLLM's names: LLM(...).generate / chat / stats."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm import tqdm
+
+from octavo.config import CacheConfig, EngineConfig
+from octavo.engine.engine import LLMEngine
+from octavo.engine.outputs import RequestOutput
+from octavo.engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An LLM for offline inference over a paged KV cache.
+
+    >>> llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        scheduling_policy: str = "fcfs",
+        kv_allocator: str = "paged",
+        contiguous_reserve: str = "max_model_len",
+        swap_space: float | None = None,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            preemption_mode=preemption_mode,
+            scheduling_policy=scheduling_policy,
+            swap_space=swap_space,
+            gpu_memory_utilization=gpu_memory_utilization,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_allocator=kv_allocator,
+            ),
+        )
+        self.engine = LLMEngine(config, contiguous_reserve=contiguous_reserve)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = [f"{next(self._ids)}" for _ in prompts]
+        try:
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            finished = self._run(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:  # nothing is leaked: every block goes back to the pool
+                self.engine.abort_request(rid)
+            raise
+        return [finished[rid] for rid in ids]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        start = time.perf_counter()
+        in_tokens = out_tokens = 0
+        wanted = set(ids)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    finished[out.request_id] = out
+                    in_tokens += len(out.prompt_token_ids)
+                    out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(
+                        f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
+                        f"output: {out_tokens / elapsed:.2f} toks/s"
+                    )
+                    bar.update(1)
+        bar.close()
+        return finished
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        tok = self.engine.tokenizer
+        if chat_template is None and not tok.chat_template:
+            raise ValueError("the model's tokenizer has no chat template; pass chat_template=")
+        ids = tok.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+            chat_template=chat_template,
+        )
+        if isinstance(ids, dict):  # transformers >= 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def stats(self) -> dict[str, int | float]:
+        return self.engine.stats()

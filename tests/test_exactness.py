@@ -1,0 +1,89 @@
+"""Greedy tokens of the embedded model equal transformers' generate (fp32), token for token,
+for every block size, whether the prompts run in one batch or one by one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from octavo import LLM, SamplingParams
+from octavo.config import ModelConfig
+from octavo.model.runner import ModelRunner
+from octavo.step_plan import SeqChunk, StepPlan
+
+MAX_TOKENS = 32
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three colors:",
+    "Translate to German: good morning",
+    "1, 2, 3, 4,",
+]
+# random token prompts spread over 1..1500 tokens
+LENGTHS = [1, 2, 7, 16, 17, 63, 100, 255, 256, 300, 511, 700, 1000, 1500]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_dir) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    rng = random.Random(1234)
+    out = [tok.encode(t) for t in TEXTS]
+    out += [[rng.randrange(0, 49152) for _ in range(n)] for n in LENGTHS]
+    assert len(out) >= 20 and min(map(len, out)) == 1 and max(map(len, out)) == 1500
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir):
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(hf_model, prompts) -> list[list[int]]:
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0,
+            )
+            refs.append(out[0, len(p):].tolist())
+    return refs
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_greedy_matches_transformers(default_model_dir, prompts, hf_tokens, block_size):
+    llm = LLM(block_size=block_size, kv_cache_memory_bytes=1 << 30)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for i, out in enumerate(batched):
+        assert out.prompt_token_ids == prompts[i]
+        assert out.outputs[0].token_ids == hf_tokens[i], f"batched prompt {i} ({len(prompts[i])})"
+        assert out.outputs[0].finish_reason == "length"
+    for i in range(0, len(prompts), 4 if block_size != 16 else 1):  # one by one
+        out = llm.generate({"prompt_token_ids": prompts[i]}, GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_tokens[i], f"alone prompt {i} ({len(prompts[i])})"
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_last_position_logits_match(default_model_dir, prompts, hf_model):
+    config = ModelConfig.from_dir(default_model_dir)
+    runner = ModelRunner(
+        default_model_dir, config, dtype=torch.float32, device=torch.device("cpu"),
+        num_blocks=128, block_size=16, max_model_len=2048,
+    )
+    worst = 0.0
+    for p in prompts[::2]:
+        table = list(range(-(-len(p) // 16)))[::-1]  # reversed: physical order is irrelevant
+        ours = runner.execute(StepPlan([SeqChunk(p, 0, table)])).logits[0]
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([p])).logits[0, -1]
+        worst = max(worst, (ours - ref).abs().max().item())
+    assert worst < 1e-3
