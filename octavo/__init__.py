@@ -1,8 +1,30 @@
-"""octavo: an LLM inference and serving engine built on PagedAttention."""
+"""octavo: an LLM inference and serving engine built on PagedAttention.
 
-from octavo.engine.outputs import CompletionOutput, RequestOutput
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
-from octavo.llm import LLM
+The public names are imported lazily, so `import octavo.paging` stays free of torch.
+"""
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+
+if TYPE_CHECKING:
+    from octavo.engine.outputs import CompletionOutput, RequestOutput
+    from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+    from octavo.llm import LLM
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from octavo.llm import LLM
+
+        return LLM
+    if name in ("SamplingParams", "BeamSearchParams"):
+        from octavo.engine import sampling_params
+
+        return getattr(sampling_params, name)
+    if name in ("RequestOutput", "CompletionOutput"):
+        from octavo.engine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'octavo' has no attribute {name!r}")

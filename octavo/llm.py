@@ -153,10 +153,8 @@ class LLM:
             raise ValueError("the model's tokenizer has no chat template; pass chat_template=")
         ids = tok.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
-            chat_template=chat_template,
+            chat_template=chat_template, return_dict=False,
         )
-        if isinstance(ids, dict):  # transformers >= 5 returns a BatchEncoding
-            ids = ids["input_ids"]
         return list(ids)
 
     def stats(self) -> dict[str, int | float]:

@@ -36,7 +36,43 @@ def build_tiny_llama(path: Path, **overrides) -> Path:
     config = LlamaConfig(**{**TINY_CONFIG, **overrides})
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path, safe_serialization=True)
+    build_byte_tokenizer(path)
     return path
+
+
+def build_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer whose 256 tokens are the 256 bytes (ids = byte values)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in zip(range(256), _bytes_to_unicode(), strict=True)}
+    assert set(byte_to_char.values()) == set(alphabet)
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=byte_to_char[1], eos_token=byte_to_char[2]
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    fast.save_pretrained(path)
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's printable stand-in character for each byte value, in byte order."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
 
 
 @pytest.fixture(scope="session")

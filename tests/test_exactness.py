@@ -39,7 +39,10 @@ def prompts(default_model_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_model(default_model_dir):
-    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    # ignore_eos: generate must neither stop at EOS nor suppress it (min_new_tokens would)
+    model.generation_config.eos_token_id = None
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +53,10 @@ def hf_tokens(hf_model, prompts) -> list[list[int]]:
             ids = torch.tensor([p])
             out = hf_model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0,
+                do_sample=False, pad_token_id=0,
             )
             refs.append(out[0, len(p):].tolist())
+            assert len(refs[-1]) == MAX_TOKENS
     return refs
 
 

@@ -12,30 +12,9 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from octavo.engine.request import Request, RequestStatus, Sequence
-
-
-class KVAllocator(Protocol):
-    """What the scheduler needs from a KV manager (paged or contiguous)."""
-
-    block_size: int
-
-    def find_cached_prefix(self, token_ids, extra_key=None) -> int: ...
-    def can_allocate(self, token_ids, num_new_tokens: int, extra_key=None) -> bool: ...
-    def allocate(self, seq_id: int, token_ids, num_new_tokens: int, extra_key=None,
-                 **hints) -> int: ...
-    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int: ...
-    def num_free_blocks(self) -> int: ...
-    def append_slots(self, seq_id: int, token_ids, num_new_tokens: int) -> None: ...
-    def fork(self, parent_id: int, child_id: int) -> None: ...
-    def free(self, seq_id: int) -> None: ...
-    def take_block_copies(self) -> list[tuple[int, int]]: ...
-    def can_swap_out(self, seq_ids) -> bool: ...
-    def swap_out(self, seq_ids) -> list[tuple[int, int]]: ...
-    def can_swap_in(self, seq_ids) -> bool: ...
-    def swap_in(self, seq_ids) -> list[tuple[int, int]]: ...
+from octavo.paging.allocator import KVAllocator
 
 
 @dataclass(slots=True)
@@ -245,19 +224,21 @@ class Scheduler:
         """Allocate blocks for every sequence of a waiting request, or none (returns None)."""
         use_cache = request.params.prompt_logprobs is None
         salt = request.cache_salt
+        reserve = request.num_prompt_tokens + self._max_tokens(request)
         done: list[tuple[Sequence, int, int]] = []
         for seq in seqs:
             cached = self.kv.find_cached_prefix(seq.token_ids, salt) if use_cache else 0
             n = min(len(seq.token_ids) - cached, budget)
-            if n <= 0 or not self.kv.can_allocate(seq.token_ids, n, salt if use_cache else None):
+            if n <= 0 or not self.kv.can_allocate(
+                seq.token_ids, n, salt, reserve_tokens=reserve, use_prefix_cache=use_cache
+            ):
                 for s, _, _ in done:
                     self.kv.free(s.seq_id)
                     s.num_computed_tokens = 0
                 return None
             computed = self.kv.allocate(
                 seq.seq_id, seq.token_ids, n, salt,
-                use_prefix_cache=use_cache,
-                reserve_tokens=request.num_prompt_tokens + self._max_tokens(request),
+                use_prefix_cache=use_cache, reserve_tokens=reserve,
             )
             n = min(len(seq.token_ids) - computed, budget)
             seq.num_computed_tokens = computed

@@ -1,0 +1,28 @@
+"""Chained block hashes for automatic prefix caching.
+
+A full block is named by hash(parent block hash, its token ids, extra key), so equal names mean
+equal prefixes, not just equal blocks. The digest is 128-bit blake2b over a fixed-layout encoding
+(16-byte parent digest, the tokens as int64, then repr(extra_key)), which makes accidental
+collisions vanishingly rare; the block pool still verifies token ids, extra key and parent
+identity on every hit, so even a colliding digest can never hand out the wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Hashable, Sequence
+
+DIGEST_SIZE = 16
+ROOT_PARENT = bytes(DIGEST_SIZE)
+
+
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: Hashable | None = None
+) -> bytes:
+    h = hashlib.blake2b(
+        ROOT_PARENT if parent_hash is None else parent_hash, digest_size=DIGEST_SIZE
+    )
+    h.update(array("q", token_ids).tobytes())
+    h.update(repr(extra_key).encode())
+    return h.digest()

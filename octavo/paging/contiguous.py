@@ -1,0 +1,266 @@
+"""The baseline octavo exists to beat: one contiguous KV buffer per sequence, reserved up front.
+
+Same public interface as KVCacheManager, so the engine and benchmarks can swap one for the
+other, but none of paging's benefits: no sharing, no prefix caching, no swapping, and every
+reservation is sized before the sequence knows how long it will get. First-fit over a sorted
+list of free extents; scanning extents is fine for a baseline, nothing here is per slot.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from octavo.paging.block_pool import OutOfKVBlocks
+from octavo.paging.waste import Reservation, check_slot_sum, contiguous_slot_stats
+
+RESERVE_MODES = ("max_model_len", "request")
+
+
+@dataclass(slots=True)
+class _Run:
+    start: int
+    num_blocks: int
+    num_computed: int
+    final_tokens: int | None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ContiguousAllocator:
+    """Reserve-up-front KV allocation.
+
+    reserve="max_model_len": every sequence reserves `max_model_len` tokens (the classic case).
+    reserve="request": it reserves `reserve_tokens` (prompt + max_tokens), passed to allocate().
+    External fragmentation counts free extents too small for one more reservation of the
+    configured size; with reserve="request" that size is the smallest reservation seen so far
+    (a free gap that cannot hold even that is useless to every request we have seen).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_model_len: int,
+        reserve: str = "max_model_len",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1 or max_model_len < 1:
+            raise ValueError("num_blocks, block_size and max_model_len must all be >= 1")
+        if reserve not in RESERVE_MODES:
+            raise ValueError(f"reserve must be one of {RESERVE_MODES}, got {reserve!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.reserve = reserve
+        self._free: list[tuple[int, int]] = [(0, num_blocks)]  # (start, length), sorted, coalesced
+        self._num_free = num_blocks
+        self._runs: dict[int, _Run] = {}
+        self._smallest_reservation: int | None = None
+        self._peak_used = 0
+
+    # -- allocation -----------------------------------------------------------------------------
+    def _reservation_blocks(self, num_new_tokens: int, reserve_tokens: int | None) -> int:
+        if self.reserve == "max_model_len":
+            tokens = self.max_model_len
+        elif reserve_tokens is None:
+            raise ValueError('reserve="request" needs allocate(..., reserve_tokens=N)')
+        else:
+            tokens = reserve_tokens
+        if num_new_tokens > tokens:
+            raise ValueError(f"{num_new_tokens} new tokens exceed the {tokens}-token reservation")
+        return max(_cdiv(tokens, self.block_size), 1)
+
+    def _first_fit(self, num_blocks: int) -> int | None:
+        for i, (_, length) in enumerate(self._free):
+            if length >= num_blocks:
+                return i
+        return None
+
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], extra_key: Hashable | None = None
+    ) -> int:
+        return 0
+
+    def can_allocate(
+        self,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        extra_key: Hashable | None = None,
+        *,
+        reserve_tokens: int | None = None,
+        use_prefix_cache: bool = True,
+    ) -> bool:
+        return self._first_fit(self._reservation_blocks(num_new_tokens, reserve_tokens)) is not None
+
+    def allocate(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        extra_key: Hashable | None = None,
+        *,
+        reserve_tokens: int | None = None,
+        final_tokens: int | None = None,
+        use_prefix_cache: bool = True,
+    ) -> int:
+        """Reserve the whole buffer now. `final_tokens`, when known (benchmarks know it), lets
+        stats tell slots that will never be used (internal) from ones still to come (reserved)."""
+        if seq_id in self._runs:
+            raise ValueError(f"sequence {seq_id} already has KV blocks")
+        if not 0 <= num_new_tokens <= len(token_ids):
+            raise ValueError(f"cannot compute {num_new_tokens} of {len(token_ids)} tokens")
+        n = self._reservation_blocks(num_new_tokens, reserve_tokens)
+        i = self._first_fit(n)
+        if i is None:
+            largest = max((length for _, length in self._free), default=0)
+            raise OutOfKVBlocks(
+                f"allocate sequence {seq_id}: no free extent of {n} contiguous blocks (largest "
+                f"is {largest}, {self._num_free} of {self.num_blocks} blocks free)"
+            )
+        start, length = self._free[i]
+        if length == n:
+            del self._free[i]
+        else:
+            self._free[i] = (start + n, length - n)
+        self._num_free -= n
+        self._peak_used = max(self._peak_used, self.num_blocks - self._num_free)
+        if self._smallest_reservation is None or n < self._smallest_reservation:
+            self._smallest_reservation = n
+        self._runs[seq_id] = _Run(start, n, num_new_tokens, final_tokens)
+        return 0
+
+    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
+        """0 inside the reservation; past it no number of free blocks helps (never fits)."""
+        return 0 if self.can_append_slots(seq_id, num_new_tokens) else self.num_blocks + 1
+
+    def can_append_slots(self, seq_id: int, num_new_tokens: int) -> bool:
+        run = self._get(seq_id)
+        return run.num_computed + num_new_tokens <= run.num_blocks * self.block_size
+
+    def append_slots(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int) -> None:
+        """Never allocates: a sequence that outgrows its reservation cannot continue."""
+        run = self._get(seq_id)
+        end = run.num_computed + num_new_tokens
+        if num_new_tokens < 0 or end > len(token_ids):
+            raise ValueError(
+                f"cannot compute {num_new_tokens} new tokens after {run.num_computed} of "
+                f"{len(token_ids)} known tokens"
+            )
+        if end > run.num_blocks * self.block_size:
+            raise OutOfKVBlocks(
+                f"sequence {seq_id} outgrew its reservation of {run.num_blocks * self.block_size} "
+                f"slots ({end} needed)"
+            )
+        run.num_computed = end
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        raise NotImplementedError(
+            "the contiguous baseline cannot share KV blocks between sequences, so it cannot fork "
+            "(parallel sampling / beam search need the paged KVCacheManager)"
+        )
+
+    def free(self, seq_id: int) -> None:
+        run = self._runs.pop(seq_id, None)
+        if run is None:
+            return
+        start, n = run.start, run.num_blocks
+        i = bisect.bisect_left(self._free, (start, 0))
+        if i < len(self._free) and self._free[i][0] == start + n:  # merge with the next extent
+            n += self._free[i][1]
+            del self._free[i]
+        prev_start, prev_len = self._free[i - 1] if i > 0 else (-1, 0)
+        if i > 0 and prev_start + prev_len == start:  # merge with the previous extent
+            start, n = self._free[i - 1][0], n + self._free[i - 1][1]
+            i -= 1
+            del self._free[i]
+        self._free.insert(i, (start, n))
+        self._num_free += run.num_blocks
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        return []
+
+    # -- swap: not supported, a contiguous buffer is preempted by recomputation -----------------
+    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
+        return False
+
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        raise NotImplementedError("the contiguous baseline does not swap; preempt by recompute")
+
+    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
+        return False
+
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        raise NotImplementedError("the contiguous baseline does not swap; preempt by recompute")
+
+    # -- queries --------------------------------------------------------------------------------
+    def block_table(self, seq_id: int) -> list[int]:
+        run = self._get(seq_id)
+        return list(range(run.start, run.start + run.num_blocks))
+
+    def num_computed_tokens(self, seq_id: int) -> int:
+        return self._get(seq_id).num_computed
+
+    def num_free_blocks(self) -> int:
+        return self._num_free
+
+    def usage(self) -> float:
+        return (self.num_blocks - self._num_free) / self.num_blocks
+
+    def _external_threshold(self) -> int:
+        if self.reserve == "max_model_len":
+            return _cdiv(self.max_model_len, self.block_size)
+        return self._smallest_reservation or 1
+
+    def stats(self) -> dict[str, int | float]:
+        bs = self.block_size
+        return {
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_used": self.num_blocks - self._num_free,
+            "kv_blocks_cached_free": 0,
+            **contiguous_slot_stats(
+                block_size=bs,
+                reservations=(
+                    Reservation(r.num_computed, r.num_blocks * bs, r.final_tokens)
+                    for r in self._runs.values()
+                ),
+                free_extents=(length for _, length in self._free),
+                min_reservation_blocks=self._external_threshold(),
+            ),
+            "kv_blocks_saved_by_sharing": 0,
+            "prefix_cache_query_tokens": 0,
+            "prefix_cache_hit_tokens": 0,
+            "peak_kv_blocks_used": self._peak_used,
+            "kv_cpu_blocks_total": 0,
+            "kv_cpu_blocks_used": 0,
+        }
+
+    def check_invariants(self) -> None:
+        owner: list[int | None] = [None] * self.num_blocks
+        for seq_id, run in self._runs.items():
+            assert run.num_computed <= run.num_blocks * self.block_size, (
+                f"seq {seq_id}: {run.num_computed} tokens overflow its reservation"
+            )
+            for b in range(run.start, run.start + run.num_blocks):
+                assert owner[b] is None, f"block {b} reserved by seq {seq_id} and {owner[b]}"
+                owner[b] = seq_id
+        prev_end = -1
+        for start, length in self._free:
+            assert length > 0, f"empty free extent at {start}"
+            assert start > prev_end, f"free extents unsorted or not coalesced at block {start}"
+            for b in range(start, start + length):
+                assert owner[b] is None, f"free block {b} is reserved by seq {owner[b]}"
+                owner[b] = -1
+            prev_end = start + length
+        assert None not in owner, f"block {owner.index(None)} is neither free nor reserved"
+        assert self._num_free == sum(length for _, length in self._free), "free counter is stale"
+        check_slot_sum(self.stats(), self.num_blocks * self.block_size)
+
+    def _get(self, seq_id: int) -> _Run:
+        try:
+            return self._runs[seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id} has no KV blocks") from None
