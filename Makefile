@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: install
-	$(PY) -m octavo.cli demo
+	$(PY) -m octavo.cli serve --host 127.0.0.1 --port 8000
 
 test: install
 	$(VENV)/bin/ruff check octavo tests

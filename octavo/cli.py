@@ -100,6 +100,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible HTTP server (octavo/server): one process, engine on a thread."""
+    from octavo.server.launcher import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, max_tokens=256)
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's flags)")
+    add_engine_args(p)
+    from octavo.server.args import add_server_args
+
+    add_server_args(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from octavo.config import CacheConfig, EngineConfig
 from octavo.engine.engine import LLMEngine
-from octavo.engine.outputs import RequestOutput
-from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -105,6 +105,43 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return [finished[rid] for rid in ids]
+
+    def beam_search(
+        self,
+        prompts: Seq[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over copy-on-write forks: beams share blocks, a dying beam frees its own.
+
+        Returns, per prompt, up to `beam_width` sequences best first (tokens include the prompt,
+        as vLLM's BeamSearchSequence).
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        ids = [f"{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt in zip(ids, prompts, strict=True):
+                self.engine.add_request(rid, prompt, beam_params=params)
+            finished = self._run(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        results = []
+        for rid in ids:
+            out = finished[rid]
+            results.append(BeamSearchOutput(sequences=[
+                BeamSearchSequence(
+                    tokens=out.prompt_token_ids + o.token_ids,
+                    cum_logprob=o.cumulative_logprob or 0.0,
+                    text=o.text,
+                    finish_reason=o.finish_reason,
+                )
+                for o in out.outputs
+            ]))
+        return results
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}

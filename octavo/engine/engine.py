@@ -6,6 +6,7 @@ add_request / step / abort_request; the offline `LLM` loops step() until everyth
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -15,10 +16,11 @@ import torch
 from transformers import AutoTokenizer
 
 from octavo.config import CacheConfig, EngineConfig, ModelConfig
+from octavo.engine.beam_search import BeamSearchState
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.outputs import CompletionOutput, RequestOutput
 from octavo.engine.request import Request, RequestStatus, Sequence
-from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 from octavo.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from octavo.engine.stop_checker import check_stop, partial_stop_len
 from octavo.model.kv_cache import KVCache
@@ -154,7 +156,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        beam_params: BeamSearchParams | None = None,
     ) -> Request:
+        if beam_params is not None:
+            # beams are chosen by BeamSearchState, not sampled; EOS is handled there too
+            params = SamplingParams(
+                temperature=0, max_tokens=beam_params.max_tokens, ignore_eos=True,
+                detokenize=False,
+            )
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -171,6 +180,12 @@ class LLMEngine:
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        if beam_params is not None:
+            limit = self.max_model_len - len(token_ids)
+            beam_params = dataclasses.replace(
+                beam_params, max_tokens=min(beam_params.max_tokens, limit)
+            )
+            request.beam = BeamSearchState(beam_params, self.eos_token_id)
         self._init_seq(request.seqs[0])
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -265,9 +280,13 @@ class LLMEngine:
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, touched) -> None:
         rows: list[int] = []
         seqs: list[Sequence] = []
+        beam_requests: dict[str, Request] = {}
         for row, s in enumerate(x for x in sched.scheduled if x.sample):
             request = s.seq.request
-            if len(request.seqs) < request.params.n:
+            if request.beam is not None:
+                s.seq.pending_logprobs = torch.log_softmax(logits[row].float(), dim=-1)
+                beam_requests[request.request_id] = request
+            elif len(request.seqs) < request.params.n:
                 self._fork_children(request)  # parallel sampling: share the prompt's blocks
                 for seq in request.seqs:
                     rows.append(row)
@@ -275,6 +294,10 @@ class LLMEngine:
             else:
                 rows.append(row)
                 seqs.append(s.seq)
+        for request in beam_requests.values():
+            if all(seq.pending_logprobs is not None for seq in request.seqs):
+                self._beam_step(request)
+                touched[request.request_id] = request
         if not seqs:
             return
         params = [s.request.params for s in seqs]
@@ -297,6 +320,43 @@ class LLMEngine:
             request.last_token_time = now
             touched[request.request_id] = request
         self.num_generation_tokens_total += len(seqs)
+
+    def _beam_step(self, request: Request) -> None:
+        """Choose the next beams; a beam continued twice forks, one not continued is freed."""
+        beams = request.seqs
+        logprobs = torch.stack([b.pending_logprobs for b in beams])
+        selections = request.beam.step(logprobs, [b.output_token_ids for b in beams])
+        now = time.monotonic()
+        request.first_token_time = request.first_token_time or now
+        request.last_token_time = now
+        self.num_generation_tokens_total += len(beams)
+        for b in beams:
+            b.pending_logprobs = None
+        if request.beam.done:
+            self.scheduler.finish_request(request)
+            return
+        continued: set[int] = set()
+        next_beams: list[tuple[Sequence, int, float]] = []
+        for sel in selections:  # fork from the parents' current state before any token lands
+            parent = beams[sel.parent]
+            if sel.parent in continued:
+                seq = Sequence(
+                    request, list(parent.token_ids), parent.num_prompt_tokens,
+                    num_computed_tokens=parent.num_computed_tokens,
+                )
+                self.kv.fork(parent.seq_id, seq.seq_id)
+            else:
+                continued.add(sel.parent)
+                seq = parent
+            next_beams.append((seq, sel.token_id, sel.cum_logprob))
+        for index, parent in enumerate(beams):
+            if index not in continued:
+                self.kv.free(parent.seq_id)  # a beam that dies frees its own blocks
+        for index, (seq, token, cum) in enumerate(next_beams):
+            seq.token_ids.append(token)
+            seq.cumulative_logprob = cum
+            seq.index = index
+        request.seqs = [seq for seq, _, _ in next_beams]
 
     def _fork_children(self, request: Request) -> None:
         parent = request.seqs[0]
@@ -343,8 +403,25 @@ class LLMEngine:
         seq.stop_reason = decision.stop_reason
         self.scheduler.finish_seq(seq)
 
+    def _beam_outputs(self, request: Request) -> list[CompletionOutput]:
+        outputs = []
+        for index, hyp in enumerate(request.beam.finished):
+            ended_by_eos = bool(hyp.token_ids) and hyp.token_ids[-1] == self.eos_token_id
+            outputs.append(CompletionOutput(
+                index=index,
+                text=self.tokenizer.decode(hyp.token_ids, skip_special_tokens=True),
+                token_ids=list(hyp.token_ids),
+                cumulative_logprob=hyp.cum_logprob,
+                logprobs=None,
+                finish_reason="stop" if ended_by_eos and not request.beam.params.ignore_eos
+                else "length",
+            ))
+        return outputs
+
     def _make_output(self, request: Request) -> RequestOutput:
         finished = request.is_finished
+        if request.beam is not None:
+            return self._finish_output(request, self._beam_outputs(request) if finished else [])
         outputs = []
         for seq in request.seqs:
             text = seq.output_text
@@ -360,6 +437,10 @@ class LLMEngine:
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             ))
+        return self._finish_output(request, outputs)
+
+    def _finish_output(self, request: Request, outputs: list[CompletionOutput]) -> RequestOutput:
+        finished = request.is_finished
         if finished:
             request.finished_time = time.monotonic()
             self.requests.pop(request.request_id, None)

@@ -34,3 +34,18 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float | None] = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam: `tokens` holds the prompt and the generated tokens."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]

@@ -41,6 +41,8 @@ class Sequence:
     logprobs: list[Any] | None = None  # per generated token, when asked
     detokenizer: Any = None
     output_text: str = ""
+    # beam search: this beam's next-token log-probs, kept until every live beam has them
+    pending_logprobs: Any = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -72,6 +74,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[Any] | None = None
     cache_salt: str | None = None
+    beam: Any = None  # BeamSearchState for beam-search requests
     # metrics
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -89,7 +92,14 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.params.n
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequences this request may run at once (n samples, or beam_width beams)."""
+        return self.beam.params.beam_width if self.beam is not None else self.params.n
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -98,12 +98,29 @@ class Scheduler:
             self.running.remove(request)
             request.status = RequestStatus.FINISHED
 
+    def finish_request(self, request: Request) -> None:
+        """Free every sequence of a request that ended as a whole (beam search)."""
+        for seq in request.seqs:
+            self.kv.free(seq.seq_id)
+        if request in self.running:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_running_seqs(self) -> int:
         return sum(len(r.live_seqs) for r in self.running)
+
+    @staticmethod
+    def _seq_slots(request: Request) -> int:
+        # Sequences a request takes under max_num_seqs: one not forked yet (still in its prompt)
+        # will run max_seqs of them (n samples or beams), so count those from the start.
+        return request.max_seqs if len(request.seqs) == 1 else len(request.live_seqs)
+
+    def _num_seq_slots(self) -> int:
+        return sum(self._seq_slots(r) for r in self.running)
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -189,7 +206,7 @@ class Scheduler:
         while self.swapped and budget > 0:
             request = self.swapped[0]
             seqs = request.live_seqs
-            if self.num_running_seqs + len(seqs) > self.config.max_num_seqs:
+            if self._num_seq_slots() + self._seq_slots(request) > self.config.max_num_seqs:
                 break
             seq_ids = [s.seq_id for s in seqs]
             if not self.kv.can_swap_in(seq_ids):
@@ -207,8 +224,8 @@ class Scheduler:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seqs = request.live_seqs
-            max_seqs = len(seqs) if len(request.seqs) > 1 else request.params.n
-            if self.running and self.num_running_seqs + max_seqs > self.config.max_num_seqs:
+            max_seqs = max(len(seqs), request.max_seqs)
+            if self.running and self._num_seq_slots() + max_seqs > self.config.max_num_seqs:
                 break
             admitted = self._allocate(request, seqs, budget)
             if admitted is None:
@@ -217,8 +234,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._key)
             for seq, start, n in admitted:
-                out.scheduled.append(self._scheduled(request, seq, start, n))
-                budget -= n
+                if n:
+                    out.scheduled.append(self._scheduled(request, seq, start, n))
+                    budget -= n
 
     def _allocate(self, request: Request, seqs: list[Sequence], budget: int):
         """Allocate blocks for every sequence of a waiting request, or none (returns None)."""
@@ -229,9 +247,19 @@ class Scheduler:
         for seq in seqs:
             cached = self.kv.find_cached_prefix(seq.token_ids, salt) if use_cache else 0
             n = min(len(seq.token_ids) - cached, budget)
-            if n <= 0 or not self.kv.can_allocate(
-                seq.token_ids, n, salt, reserve_tokens=reserve, use_prefix_cache=use_cache
-            ):
+
+            def fits(num: int, seq: Sequence = seq) -> bool:
+                return self.kv.can_allocate(
+                    seq.token_ids, num, salt, reserve_tokens=reserve, use_prefix_cache=use_cache
+                )
+
+            if done and (n <= 0 or not fits(n)):
+                # A later sequence of a forked request being recomputed. The earlier ones keep
+                # their blocks (new full blocks are already in the prefix cache, so they must be
+                # computed this step); this one takes its cached blocks now and computes the
+                # rest in later steps, like a chunked prefill.
+                n = 0
+            if (n <= 0 and not done) or not fits(n):
                 for s, _, _ in done:
                     self.kv.free(s.seq_id)
                     s.num_computed_tokens = 0
@@ -240,7 +268,8 @@ class Scheduler:
                 seq.seq_id, seq.token_ids, n, salt,
                 use_prefix_cache=use_cache, reserve_tokens=reserve,
             )
-            n = min(len(seq.token_ids) - computed, budget)
+            if n:
+                n = min(len(seq.token_ids) - computed, budget)
             seq.num_computed_tokens = computed
             done.append((seq, computed, n))
             budget -= n

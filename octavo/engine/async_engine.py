@@ -1,0 +1,314 @@
+"""The engine behind the server: one background thread drives LLMEngine; asyncio talks to it.
+
+LLMEngine is not thread-safe and a model step can take hundreds of milliseconds, so neither may
+run on the event loop. The split:
+
+- the *engine thread* is the only caller of LLMEngine. Before each step it drains a command
+  queue (add / abort / abort-all / stop), then steps, then hands every output of the step to the
+  event loop in ONE `loop.call_soon_threadsafe` call (a call per output would flood the loop's
+  self-pipe with 200 streams running);
+- the *event loop* enqueues commands and awaits per-request `RequestStream`s. `add_request`
+  awaits the engine thread's verdict, so a bad prompt (empty, too long, ids out of range) comes
+  back as the engine's own ValueError before an HTTP response has started.
+
+Outputs are cumulative, so a stream keeps only the newest one when its consumer lags: a slow
+client costs no memory and never holds the engine back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from octavo.engine.engine import LLMEngine
+from octavo.engine.outputs import RequestOutput
+from octavo.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted by the server (shutdown) before it finished."""
+
+
+class EngineStepError(RuntimeError):
+    """A model step failed; every request in flight at that moment fails with this error."""
+
+
+class OutputObserver(Protocol):
+    """Sees every output on the engine thread, for metrics (must be thread-safe and quick)."""
+
+    def on_output(self, out: RequestOutput, prev_token_time: float | None) -> None: ...
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs, newest first when behind.
+
+    Fed on the event loop by the engine thread's batched callback; the last item is a finished
+    output or an exception.
+    """
+
+    def __init__(self, request_id: str, owner: AsyncLLMEngine) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._latest: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(self._latest, BaseException):
+            return  # an error is final
+        self._latest = item
+        self._ready.set()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._latest = self._latest, None
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        assert item is not None
+        if item.finished:
+            self.finished = True
+        return item
+
+    def cancel(self) -> None:
+        """Abort the request in the engine unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | dict
+    params: SamplingParams
+    priority: int
+    stream: RequestStream
+    future: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _AbortAll:
+    error: BaseException
+
+
+@dataclass(slots=True)
+class _Stop:
+    pass
+
+
+class AsyncLLMEngine:
+    """Runs an LLMEngine on a background thread behind an asyncio interface."""
+
+    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._pending_adds = 0  # event-loop side: adds enqueued, not yet answered
+        # engine-thread side; read (never written) by the loop: plain values, atomic under GIL
+        self._streams: dict[str, RequestStream] = {}
+        self._last_token_time: dict[str, float | None] = {}
+        self._stats: dict[str, int | float] = engine.stats()
+        self._num_waiting = 0
+
+    # ---- lifecycle (event loop) -----------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
+        self._thread.start()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and abort those in flight (their streams raise). Thread-safe."""
+        self._accepting = False
+        self._commands.put(_AbortAll(RequestAbortedError("the server is shutting down")))
+
+    async def stop(self) -> None:
+        """Abort everything, stop the engine thread and wait for it."""
+        if self._thread is None:
+            return
+        self.begin_shutdown()
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.is_running
+
+    # ---- requests (event loop) ------------------------------------------------------------
+    async def add_request(
+        self, request_id: str, prompt: str | dict, params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it.
+
+        Raises the engine's ValueError for a bad prompt, RequestAbortedError when shutting down.
+        """
+        if not self.accepting:
+            raise RequestAbortedError("the server is shutting down")
+        assert self._loop is not None
+        stream = RequestStream(request_id, self)
+        future = self._loop.create_future()
+        self._pending_adds += 1
+        self._commands.put(_Add(request_id, prompt, params, priority, stream, future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            # The caller went away while the engine thread was busy: the add may have landed.
+            self.abort(request_id)
+            raise
+        finally:
+            self._pending_adds -= 1
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if unknown or finished); its blocks free before next step."""
+        self._commands.put(_Abort(request_id))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled: the scheduler's waiting queue plus adds in transit."""
+        return self._num_waiting + self._pending_adds
+
+    def stats(self) -> dict[str, int | float]:
+        """engine.stats() as of the end of the engine thread's last iteration."""
+        return self._stats
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain(block=idle):
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_stats()
+        except BaseException:  # pragma: no cover - a bug in this loop; keep the traceback
+            logger.exception("the engine thread died")
+            self._accepting = False
+            self._fail_all(EngineStepError("the engine thread died"))
+            raise
+
+    def _drain(self, block: bool) -> bool:
+        """Run queued commands; wait for one first when idle. False when asked to stop."""
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, _Stop):
+                return False
+            self._execute(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _execute(self, cmd: Any) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                if not self._accepting:
+                    raise RequestAbortedError("the server is shutting down")
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority)
+            except Exception as e:  # ValueError/TypeError for bad input: the caller's 400
+                self._call_soon(_set_exception, cmd.future, e)
+                return
+            self._streams[cmd.request_id] = cmd.stream
+            self._last_token_time[cmd.request_id] = None
+            self._call_soon(_set_result, cmd.future, None)
+        elif isinstance(cmd, _Abort):
+            self._forget(cmd.request_id)
+            self.engine.abort_request(cmd.request_id)
+        elif isinstance(cmd, _AbortAll):
+            self._fail_all(cmd.error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; failing the requests in flight")
+            self._fail_all(EngineStepError(f"engine step failed: {e}"))
+            return
+        batch: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for out in outputs:
+            rid = out.request_id
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue  # aborted between the step's schedule and its output
+            if self.observer is not None:
+                try:
+                    self.observer.on_output(out, self._last_token_time.get(rid))
+                except Exception:  # metrics must never take the engine down
+                    logger.exception("output observer failed")
+            self._last_token_time[rid] = out.metrics.get("last_token_time")
+            if out.finished:
+                self._forget(rid)
+            batch.append((stream, out))
+        if batch:
+            self._call_soon(_deliver, batch)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams = list(self._streams.items())
+        for rid, _ in streams:
+            self._forget(rid)
+            self.engine.abort_request(rid)
+        if streams:
+            self._call_soon(_deliver, [(s, error) for _, s in streams])
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._last_token_time.pop(request_id, None)
+
+    def _publish_stats(self) -> None:
+        self._stats = self.engine.stats()
+        self._num_waiting = int(self._stats.get("num_requests_waiting", 0))
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+            self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _deliver(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in batch:
+        stream._put(item)

@@ -1,0 +1,93 @@
+"""The FastAPI app: routes, error handlers, middlewares, and the engine thread's lifetime.
+
+`build_app` takes an AsyncLLMEngine that is not started yet; the app's lifespan starts its
+thread on the server's event loop and stops it (aborting what is left) on shutdown, so the
+same function serves `octavo serve` and tests that run several servers in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from octavo import __version__
+from octavo.engine.async_engine import AsyncLLMEngine
+from octavo.server.context import ServerConfig, ServerContext
+from octavo.server.errors import OpenAIError, install_error_handlers
+from octavo.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from octavo.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from octavo.server.serving_chat import create_chat_completion
+from octavo.server.serving_completions import create_completion
+from octavo.server.serving_tokens import detokenize, tokenize
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+    ctx = ServerContext(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="octavo", version=__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            raise OpenAIError(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[
+            ModelCard(id=name, root=ctx.model_dir, max_model_len=ctx.max_model_len)
+            for name in config.served_model_names
+        ])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(ctx, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(ctx, body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        return tokenize(ctx, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        return detokenize(ctx, body)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # The last middleware added runs first: the key is checked before the body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app

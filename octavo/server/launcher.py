@@ -1,0 +1,84 @@
+"""`octavo serve`: load the engine, build the app, run uvicorn until SIGTERM/SIGINT.
+
+uvicorn's graceful shutdown waits for open responses to finish, which for a long stream could
+be minutes, and afterwards re-raises the signal, so the process would die by SIGTERM instead of
+exiting 0. OctavoServer changes both: on the signal it stops accepting (uvicorn) AND aborts
+every request in flight (their streams end at once, blocks go back to the pool), then the
+lifespan stops the engine thread and `serve` returns 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Generator
+
+import uvicorn
+
+from octavo.engine.async_engine import AsyncLLMEngine
+from octavo.server.app import build_app
+from octavo.server.context import ServerConfig
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class OctavoServer(uvicorn.Server):
+    """uvicorn.Server whose exit signal also aborts in-flight requests, with no re-raise."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: object) -> None:  # type: ignore[override]
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+        self.on_exit()  # queue.SimpleQueue.put: safe inside a signal handler
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def server_config(args: argparse.Namespace, default_name: str) -> ServerConfig:
+    return ServerConfig(
+        served_model_names=list(args.served_model_name or [args.model or default_name]),
+        api_key=args.api_key or os.environ.get("OCTAVO_API_KEY") or None,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from octavo.cli import engine_kwargs
+    from octavo.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    engine = AsyncLLMEngine(llm.engine)
+    config = server_config(args, llm.engine.model_dir.name)
+    app = build_app(engine, config)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port,
+                               log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    server = OctavoServer(uv_config, on_exit=engine.begin_shutdown)
+    name = config.served_model_names[0]
+    auth = ' -H "Authorization: Bearer $OCTAVO_API_KEY"' if config.api_key else ""
+    print(
+        f"octavo: serving {name!r} (max_model_len {llm.engine.max_model_len}) on "
+        f"http://{args.host}:{args.port}\ntry:\n  curl http://{args.host}:{args.port}"
+        f"/v1/chat/completions -H 'Content-Type: application/json'{auth} -d "
+        f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+        f"\"What is PagedAttention?\"}}], \"max_tokens\": 64}}'",
+        file=sys.stderr, flush=True,
+    )
+    server.run()
+    return 0

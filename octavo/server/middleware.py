@@ -1,0 +1,90 @@
+"""Pure-ASGI middlewares: API-key check and request-body size limit.
+
+Pure ASGI rather than Starlette's BaseHTTPMiddleware, which wraps `receive` in a way that hides
+the client's disconnect from streaming responses: cancellation relies on seeing it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from octavo.server.errors import error_body
+
+# Liveness probes and Prometheus scrapers carry no key, as in vLLM.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+async def send_error(send: Send, status: int, message: str) -> None:
+    body = json.dumps(error_body(status, message).model_dump()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches; constant-time comparison."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            await send_error(send, 401, "missing or invalid API key (Authorization: Bearer ...)")
+            return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for a body over `max_bytes`, checked on Content-Length and on the bytes received.
+
+    The body is read up front (at most max_bytes + one chunk) and replayed to the app; after
+    it, `receive` goes straight to the server so the app still sees the client disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        too_big = f"request body is larger than the limit of {self.max_bytes} bytes"
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await send_error(send, 413, too_big)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await send_error(send, 413, too_big)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,208 @@
+"""POST /v1/completions: one engine request per prompt, `n` choices each.
+
+Choice i of prompt p has index p * n + i (OpenAI's and vLLM's numbering). Usage counts each
+prompt once and every generated token of every choice, so `completion_tokens` is exact (vLLM's
+serving benchmark relies on it).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from octavo.engine.async_engine import RequestStream
+from octavo.engine.outputs import CompletionOutput, RequestOutput
+from octavo.server.context import ServerContext
+from octavo.server.errors import bad_request
+from octavo.server.logprobs import completion_logprobs
+from octavo.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from octavo.server.serving_common import (
+    ENGINE_ERRORS,
+    SSE_DONE,
+    SSEResponse,
+    cancel_all,
+    check_context_length,
+    client_closed,
+    collect,
+    engine_error,
+    merge,
+    sse,
+    sse_error,
+    start_requests,
+    to_sampling_params,
+    usage,
+)
+
+
+@dataclass(slots=True)
+class _Prompt:
+    text: str | None  # None for token-id prompts until echo needs it
+    token_ids: list[int]
+
+
+def _prompts(ctx: ServerContext, prompt: str | list) -> list[_Prompt]:
+    if isinstance(prompt, str):
+        return [_Prompt(prompt, ctx.encode(prompt))]
+    if not prompt:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    if isinstance(prompt[0], str):
+        return [_Prompt(p, ctx.encode(p)) for p in prompt]
+    if isinstance(prompt[0], int):
+        return [_Prompt(None, list(prompt))]
+    return [_Prompt(None, list(p)) for p in prompt]
+
+
+async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Request) -> Response:
+    ctx.check_model(body.model)
+    ctx.check_capacity()
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    prompts = _prompts(ctx, body.prompt)
+    for p in prompts:
+        check_context_length(ctx, len(p.token_ids), body.max_tokens, "prompt")
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and body.echo and body.logprobs is not None:
+        prompt_logprobs = body.logprobs
+    params = to_sampling_params(ctx, body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                prompt_logprobs=prompt_logprobs)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    engine_prompts = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
+    streams = await start_requests(ctx, request_id, engine_prompts, params, body.priority,
+                                   "prompt")
+    gen = _Generation(ctx, body, request_id, prompts)
+    if body.stream:
+        return SSEResponse(gen.stream(streams), on_close=lambda: cancel_all(streams))
+    try:
+        finals = await collect(raw, streams)
+    except ENGINE_ERRORS as e:
+        raise engine_error(e) from e
+    if finals is None:
+        return client_closed()
+    return JSONResponse(gen.response(finals).model_dump())
+
+
+class _Generation:
+    """Builds the response (or the SSE chunks) of one completion request."""
+
+    def __init__(self, ctx: ServerContext, body: CompletionRequest, request_id: str,
+                 prompts: list[_Prompt]) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.id = request_id
+        self.prompts = prompts
+        self.created = int(time.time())
+
+    def prompt_text(self, i: int) -> str:
+        p = self.prompts[i]
+        if p.text is None:
+            p.text = self.ctx.tokenizer.decode(p.token_ids)
+        return p.text
+
+    def _logprobs(self, out: RequestOutput, o: CompletionOutput, start: int, offset: int,
+                  echo: bool) -> CompletionLogprobs | None:
+        """Logprobs of o's tokens from `start` (plus the prompt's when echoing)."""
+        if self.body.logprobs is None:
+            return None
+        ids, positions = list(o.token_ids[start:]), list((o.logprobs or [])[start:])
+        if echo:
+            prompt_pos = list(out.prompt_logprobs or [])
+            prompt_pos += [None] * (len(out.prompt_token_ids) - len(prompt_pos))
+            ids, positions = list(out.prompt_token_ids) + ids, prompt_pos + positions
+        return completion_logprobs(self.ctx, ids, positions, offset)
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[dict | None] | None:
+        if self.body.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        return [
+            None if pos is None else {
+                t: {"logprob": lp.logprob, "rank": lp.rank,
+                    "decoded_token": self.ctx.token_str(t)}
+                for t, lp in pos.items()
+            }
+            for pos in out.prompt_logprobs
+        ]
+
+    def response(self, finals: Sequence[RequestOutput]) -> CompletionResponse:
+        n, echo = self.body.n, self.body.echo
+        choices = []
+        for i, out in enumerate(finals):
+            prefix = self.prompt_text(i) if echo else ""
+            for o in out.outputs:
+                choices.append(CompletionChoice(
+                    index=i * n + o.index, text=prefix + o.text,
+                    logprobs=self._logprobs(out, o, 0, 0, echo),
+                    finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                    prompt_logprobs=self._prompt_logprobs(out),
+                ))
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
+                                  choices=choices, usage=usage(finals))
+
+    def _chunk(self, choices: list[CompletionChoice], usage_info: UsageInfo | None = None) -> str:
+        return sse(CompletionResponse(
+            id=self.id, created=self.created, model=self.ctx.model_name, choices=choices,
+            usage=usage_info,
+        ).model_dump_json())
+
+    async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        opts = self.body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        n, echo = self.body.n, self.body.echo
+        sent: dict[int, _Sent] = {}
+        latest: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merge(streams):
+                latest[i] = out
+                for o in out.outputs:
+                    idx = i * n + o.index
+                    st = sent.setdefault(idx, _Sent())
+                    if st.done:
+                        continue
+                    text = o.text[st.text:] if len(o.text) > st.text else ""
+                    first = echo and not st.echoed
+                    new_tokens = len(o.token_ids) > st.tokens
+                    wants_lp = self.body.logprobs is not None and new_tokens
+                    if not (text or o.finish_reason or first or wants_lp):
+                        continue
+                    prefix = self.prompt_text(i) if first else ""
+                    lp = self._logprobs(out, o, st.tokens, st.offset, first)
+                    if lp is not None:
+                        st.offset = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else (
+                            st.offset)
+                    st.text, st.tokens, st.echoed = len(o.text), len(o.token_ids), True
+                    st.done = o.finish_reason is not None
+                    choice = CompletionChoice(index=idx, text=prefix + text, logprobs=lp,
+                                              finish_reason=o.finish_reason,
+                                              stop_reason=o.stop_reason)
+                    yield self._chunk([choice], usage(list(latest.values())) if continuous
+                                      else None)
+            if include_usage:
+                yield self._chunk([], usage(list(latest.values())))
+        except ENGINE_ERRORS as e:
+            yield sse_error(e)
+        finally:
+            cancel_all(streams)
+        yield SSE_DONE
+
+
+@dataclass(slots=True)
+class _Sent:
+    """How much of one choice the client has been sent."""
+
+    text: int = 0
+    tokens: int = 0
+    offset: int = 0
+    echoed: bool = False
+    done: bool = False
