@@ -250,8 +250,27 @@ class LLMEngine:
             swap_out=sched.swap_out,
             swap_in=sched.swap_in,
         )
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except BaseException:
+            # The blocks handed out for this step were registered in the prefix cache but
+            # never computed: nobody may hit them. The caller aborts the requests.
+            for s in sched.scheduled:
+                self.kv.uncache_from(s.seq.seq_id, s.start_pos)
+            raise
         touched: dict[str, Request] = {}
+        for request in self.scheduler.ignored:
+            logger.warning(
+                "request %s cannot fit the KV cache (%d blocks) even alone; finishing it",
+                request.request_id, self.kv.num_blocks,
+            )
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "length"
+            if request.beam is not None:
+                request.beam.done = True
+            touched[request.request_id] = request
+        self.scheduler.ignored.clear()
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             request = s.seq.request

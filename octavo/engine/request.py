@@ -92,6 +92,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        if self.status is RequestStatus.FINISHED:
+            return True
         if self.beam is not None:
             return self.beam.done
         return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.params.n

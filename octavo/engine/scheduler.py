@@ -72,6 +72,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_preemptions = 0
+        # requests that can never fit the KV cache, finished by the scheduler; the engine
+        # reports them (finish_reason "length") and empties this list
+        self.ignored: list[Request] = []
         self.peak_running_seqs = 0
         if config.scheduling_policy == "priority":
             self._key = lambda r: r.sort_key
@@ -131,12 +134,17 @@ class Scheduler:
             request = self.running[i]
             plan = self._chunk_plan(request, budget)
             while not self._fits(plan):
+                if len(self.running) == 1:
+                    # Alone and still out of blocks: it can never fit this KV cache (n samples
+                    # or beams that together outgrow it). Preempting would loop forever.
+                    self._give_up(request)
+                    break
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
-                break  # it was the last running request, preempted itself
+                break  # it was the last running request: preempted itself, or gave up
             budget -= self._commit(request, plan, out)
             i += 1
 
@@ -185,6 +193,15 @@ class Scheduler:
             prompt_logits=wants_prompt_logprobs,
         )
 
+    def _give_up(self, request: Request) -> None:
+        """Finish a request that cannot fit the KV cache even alone; the engine reports it."""
+        if request in self.running:
+            self.running.remove(request)
+        for seq in request.seqs:
+            self.kv.free(seq.seq_id)
+        request.status = RequestStatus.FINISHED
+        self.ignored.append(request)
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         victim.num_preemptions += 1
@@ -229,6 +246,11 @@ class Scheduler:
                 break
             admitted = self._allocate(request, seqs, budget)
             if admitted is None:
+                if not self.running and not self.swapped and not out.scheduled:
+                    # the whole cache is free and it still does not fit: it never will
+                    self.waiting.pop(0)
+                    self._give_up(request)
+                    continue
                 break
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
@@ -260,7 +282,8 @@ class Scheduler:
                 # rest in later steps, like a chunked prefill.
                 n = 0
             if (n <= 0 and not done) or not fits(n):
-                for s, _, _ in done:
+                for s, start, _ in done:
+                    self.kv.uncache_from(s.seq_id, start)  # registered, never computed
                     self.kv.free(s.seq_id)
                     s.num_computed_tokens = 0
                 return None

@@ -184,6 +184,13 @@ class BlockPool:
         blk.cache_key = blk.parent_key = blk.num_filled = 0
         self.num_evictions += 1
 
+    def uncache(self, blk: KVBlock) -> None:
+        """Drop a referenced block's cache entry: its KV was never computed (a failed step)."""
+        if blk.block_hash is not None and self._index.get(blk.block_hash) is blk:
+            del self._index[blk.block_hash]
+        blk.block_hash = blk.extra_key = None
+        blk.cache_key = blk.parent_key = 0
+
     # -- prefix cache ---------------------------------------------------------------------------
     def get_cached_block(
         self,

@@ -180,6 +180,9 @@ class ContiguousAllocator:
         self._free.insert(i, (start, n))
         self._num_free += run.num_blocks
 
+    def uncache_from(self, seq_id: int, num_tokens: int) -> None:
+        """Nothing is cached in the contiguous baseline."""
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         return []
 

@@ -277,6 +277,20 @@ class KVCacheManager:
         pool = self.cpu_pool if seq.swapped else self.block_pool
         pool.free(reversed(seq.blocks))
 
+    def uncache_from(self, seq_id: int, num_tokens: int) -> None:
+        """Forget the prefix-cache entries of this sequence's blocks holding tokens at or after
+        `num_tokens`: they were registered when their slots were handed out, and the step that
+        was to compute them failed, so nobody may hit them. Call before freeing the sequence."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.swapped:
+            return
+        keep = num_tokens // self.block_size
+        for blk in seq.blocks[keep:]:
+            if blk.ref_cnt == 1:  # shared blocks were computed by someone else
+                self.block_pool.uncache(blk)
+        del seq.block_hashes[keep:]
+        del seq.chain_keys[keep:]
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies (src, dst), handed over once."""
         copies, self._pending_copies = self._pending_copies, []
