@@ -122,6 +122,7 @@ class EngineConfig:
     # None = as many host blocks as device blocks when swapping, else none
     swap_space: float | None = None
     gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"  # auto | torch | cpu (the compiled CPU decode kernel)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:

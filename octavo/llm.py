@@ -43,6 +43,7 @@ class LLM:
         contiguous_reserve: str = "max_model_len",
         swap_space: float | None = None,
         gpu_memory_utilization: float = 0.9,
+        attention_backend: str = "auto",
         seed: int = 0,
     ) -> None:
         config = EngineConfig(
@@ -57,6 +58,7 @@ class LLM:
             scheduling_policy=scheduling_policy,
             swap_space=swap_space,
             gpu_memory_utilization=gpu_memory_utilization,
+            attention_backend=attention_backend,
             cache=CacheConfig(
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,

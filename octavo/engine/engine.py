@@ -132,6 +132,7 @@ class LLMEngine:
             self.model_dir, self.model_config, dtype=self.dtype, device=self.device,
             num_blocks=sizing.num_blocks, block_size=config.cache.block_size,
             max_model_len=sizing.max_model_len, num_host_blocks=sizing.num_host_blocks,
+            backend=config.attention_backend,
         )
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}

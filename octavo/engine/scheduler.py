@@ -129,32 +129,67 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.config.scheduling_policy == "priority":
+            self._preempt_for_priority(out, budget)
+        priority_preemptions = len(out.preempted)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             plan = self._chunk_plan(request, budget)
             while not self._fits(plan):
-                if len(self.running) == 1:
-                    # Alone and still out of blocks: it can never fit this KV cache (n samples
-                    # or beams that together outgrow it). Preempting would loop forever.
-                    self._give_up(request)
-                    break
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is request:
-                    break
+                if self.running[-1] is not request:
+                    self._preempt(self.running[-1], out)
+                    continue
+                # Nothing ranks below it. Its sequences (n samples, beams) need not all advance
+                # together: run those that fit, the others wait for blocks. Only when not even
+                # one fits is it preempted; alone, by recompute, which re-admits one sequence
+                # at a time, so it always makes progress.
+                plan = self._fitting_prefix(plan)
+                if not plan:
+                    self._preempt(request, out, recompute=len(self.running) == 1)
+                break
             if request.status is not RequestStatus.RUNNING:
-                break  # it was the last running request: preempted itself, or gave up
+                break  # it was the last running request and preempted itself
             budget -= self._commit(request, plan, out)
             i += 1
 
-        if not out.preempted:
+        # After running requests had to give up blocks this step, nothing new starts: it would
+        # only be preempted again. Swapped requests come back before waiting ones that rank
+        # after them.
+        memory_preempted = len(out.preempted) > priority_preemptions
+        if not memory_preempted:
             budget = self._swap_in(out, budget)
-        if not out.preempted and not self.swapped:
+        if not memory_preempted and (
+            not self.swapped
+            or (self.waiting and self._key(self.waiting[0]) < self._key(self.swapped[0]))
+        ):
             self._admit_waiting(out, budget)
         out.block_copies = self.kv.take_block_copies()
         self.peak_running_seqs = max(self.peak_running_seqs, self.num_running_seqs)
         return out
+
+    def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
+        """Under the priority policy a waiting request that outranks running ones takes their
+        place: the lowest-ranked running requests are preempted (before anything is scheduled
+        this step) until it fits."""
+        while self.waiting and self.running:
+            head, tail = self.waiting[0], self.running[-1]
+            if self._key(tail) <= self._key(head) or self._can_admit(head, budget):
+                return
+            self._preempt(tail, out)
+
+    def _can_admit(self, request: Request, budget: int) -> bool:
+        if self._num_seq_slots() + self._seq_slots(request) > self.config.max_num_seqs:
+            return False
+        seq = request.live_seqs[0]
+        use_cache = request.params.prompt_logprobs is None
+        cached = self.kv.find_cached_prefix(seq.token_ids, request.cache_salt) if use_cache else 0
+        n = min(len(seq.token_ids) - cached, budget)
+        return self.kv.can_allocate(
+            seq.token_ids, n, request.cache_salt,
+            reserve_tokens=request.num_prompt_tokens + self._max_tokens(request),
+            use_prefix_cache=use_cache,
+        )
 
     def _chunk_plan(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
         plan = []
@@ -163,6 +198,14 @@ class Scheduler:
             if n > 0:
                 plan.append((seq, n))
                 budget -= n
+        return plan
+
+    def _fitting_prefix(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        free = self.kv.num_free_blocks()
+        for i, (seq, n) in enumerate(plan):
+            free -= self.kv.num_blocks_needed(seq.seq_id, n)
+            if free < 0:
+                return plan[:i]
         return plan
 
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
@@ -202,13 +245,14 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self.ignored.append(request)
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Request, out: SchedulerOutput, recompute: bool = False) -> None:
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
         seq_ids = [s.seq_id for s in victim.live_seqs]
-        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
+        swap = self.config.preemption_mode == "swap" and not recompute
+        if swap and self.kv.can_swap_out(seq_ids):
             out.swap_out.extend(self.kv.swap_out(seq_ids))
             victim.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, victim, key=self._key)

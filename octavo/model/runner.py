@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 
 from octavo.config import ModelConfig
+from octavo.model.attention import get_backend
 from octavo.model.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
-from octavo.model.attention.torch_backend import TorchAttentionBackend
 from octavo.model.kv_cache import KVCache
 from octavo.model.llama import LlamaForCausalLM, RotaryEmbedding
 from octavo.step_plan import StepPlan
@@ -78,7 +78,7 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         num_host_blocks: int = 0,
-        backend: AttentionBackend | None = None,
+        backend: AttentionBackend | str | None = None,
     ) -> None:
         self.config = config
         self.device = device
@@ -86,7 +86,9 @@ class ModelRunner:
         self.block_size = block_size
         self.model = load_model(model_dir, config, dtype, device, max_model_len)
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype, device, num_host_blocks)
-        self.backend = backend or TorchAttentionBackend()
+        if not isinstance(backend, AttentionBackend):
+            backend = get_backend(backend, device)
+        self.backend = backend
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:

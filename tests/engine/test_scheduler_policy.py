@@ -149,10 +149,6 @@ def test_max_num_seqs_counts_samples_not_forked_yet():
     assert sched.kv.stats()["kv_blocks_used"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the scheduler only preempts on running requests' growth; a waiting request that outranks "
-    "running ones does not preempt them (vLLM's priority policy does)"
-))
 def test_waiting_high_priority_preempts_running_low_priority():
     sched = make_scheduler("priority", num_blocks=4, block_size=4)
     low = make_request("low", 12, priority=5, max_tokens=20)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from octavo.model.attention import get_backend
 from octavo.model.attention.base import AttentionMetadata, PrefillChunk
-from octavo.model.attention.torch_backend import TorchAttentionBackend
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -25,7 +25,12 @@ def dense_reference(q, k, v, start_pos: int) -> torch.Tensor:
     return o.transpose(0, 1)
 
 
-def run_case(seqs: list[tuple[int, int]], block_size: int, seed: int) -> None:
+@pytest.fixture(params=["torch", "cpu"])
+def backend(request):
+    return get_backend(request.param, torch.device("cpu"))
+
+
+def run_case(backend, seqs: list[tuple[int, int]], block_size: int, seed: int) -> None:
     """seqs: (context already cached, new tokens) per sequence, in flat-batch order."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -68,7 +73,7 @@ def run_case(seqs: list[tuple[int, int]], block_size: int, seed: int) -> None:
         decode_context_lens=torch.tensor([sum(seqs[i]) for i in decodes]) if decodes else None,
         prefills=prefills,
     )
-    out = TorchAttentionBackend().forward(
+    out = backend.forward(
         torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, DIM**-0.5
     )
     row = 0
@@ -83,21 +88,38 @@ def run_case(seqs: list[tuple[int, int]], block_size: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 256])
-def test_prefill_from_zero(block_size):
-    run_case([(0, 37), (0, 5), (0, 300)], block_size, seed=1)
+def test_prefill_from_zero(backend, block_size):
+    run_case(backend, [(0, 37), (0, 5), (0, 300)], block_size, seed=1)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_prefill_from_offset(block_size):
+def test_prefill_from_offset(backend, block_size):
     # a prefix-cache hit or a later chunk of a long prompt: the first blocks already hold K/V
-    run_case([(32, 17), (48, 64), (5, 3)], block_size, seed=2)
+    run_case(backend, [(32, 17), (48, 64), (5, 3)], block_size, seed=2)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-def test_decode_batch(block_size):
-    run_case([(10, 1), (1, 1), (100, 1), (63, 1), (64, 1)], block_size, seed=3)
+def test_decode_batch(backend, block_size):
+    run_case(backend, [(10, 1), (1, 1), (100, 1), (63, 1), (64, 1)], block_size, seed=3)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 128])
-def test_mixed_prefill_decode(block_size):
-    run_case([(40, 1), (0, 50), (7, 1), (16, 30), (0, 2), (99, 1)], block_size, seed=4)
+def test_mixed_prefill_decode(backend, block_size):
+    run_case(backend, [(40, 1), (0, 50), (7, 1), (16, 30), (0, 2), (99, 1)], block_size, seed=4)
+
+
+def test_decode_kernel_bfloat16_matches_reference():
+    kernel_backend = get_backend("cpu", torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(6, 16, KV_HEADS, DIM, generator=gen).bfloat16()
+    v_cache = torch.randn(6, 16, KV_HEADS, DIM, generator=gen).bfloat16()
+    q = torch.randn(2, HEADS, DIM, generator=gen).bfloat16()
+    tables = torch.tensor([[4, 1, 0], [2, 5, 3]])
+    lens = torch.tensor([20, 40])
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 2, tables, lens, [])
+    out = kernel_backend._decode(q, k_cache, v_cache, meta, DIM**-0.5)
+    for b in range(2):
+        keys = k_cache[tables[b]].flatten(0, 1)[: lens[b]].float()
+        values = v_cache[tables[b]].flatten(0, 1)[: lens[b]].float()
+        ref = dense_reference(q[b : b + 1].float(), keys, values, lens[b].item() - 1)
+        torch.testing.assert_close(out[b].float(), ref[0], atol=2e-2, rtol=2e-2)
