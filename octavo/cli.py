@@ -107,6 +107,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Benchmarks (octavo/bench): waste, concurrency, throughput, serving, prefix, sharing."""
+    from octavo.bench.cli import main as bench_main
+
+    return bench_main(args=args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_args(p)
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("bench", help="benchmarks: JSON, PNG and markdown under --out")
+    from octavo.bench.cli import add_bench_args
+
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,0 +1,99 @@
+"""`octavo bench NAME [--quick] [--out DIR]`: run one benchmark (or `all`) and write its files.
+
+Each benchmark module has `run(BenchOptions) -> (BenchResult, plot)`; this module only parses
+flags, runs them in order, writes JSON / markdown / PNG and prints where they went. Modules are
+imported when run, so the model-free benchmarks never pay for torch-heavy imports they skip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from octavo.bench.options import BenchOptions
+
+BENCHMARKS = {
+    "waste": "octavo.bench.waste",
+    "concurrency": "octavo.bench.concurrency",
+    "throughput": "octavo.bench.throughput",
+    "serving": "octavo.bench.serving",
+    "prefix": "octavo.bench.prefix",
+    "sharing": "octavo.bench.sharing",
+}
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=[*BENCHMARKS, "all"])
+    p.add_argument("--quick", action="store_true",
+                   help="small variant (each under two minutes): smoke tests and CI")
+    p.add_argument("--out", default="bench_results", help="directory for JSON, PNG and .md")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats (median reported)")
+    p.add_argument("--model", default=None,
+                   help="HF Llama directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], default=None,
+                   help="repeatable; default float32 (throughput full runs: both)")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw OUT/NAME.png from OUT/NAME.json (no benchmark runs)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch / OpenMP threads for every engine (default 1: on a shared "
+                   "machine OpenMP's spinning barriers make 2 threads many times slower)")
+    p.add_argument("--peer", action="append", choices=["vllm"], default=[],
+                   help="also measure this peer engine (throughput)")
+    p.add_argument("--peer-python", default=None,
+                   help="interpreter of the peer's separate venv, e.g. /tmp/vllm-venv/bin/python")
+
+
+def options(args: argparse.Namespace, argv: list[str]) -> BenchOptions:
+    command = "octavo bench " + shlex.join(argv)
+    dtypes = args.dtype or (["float32", "bfloat16"] if args.name == "throughput"
+                            and not args.quick else ["float32"])
+    return BenchOptions(quick=args.quick, out=Path(args.out), seed=args.seed,
+                        repeats=args.repeats, model=args.model, dtypes=dtypes,
+                        num_requests=args.num_requests, peer=args.peer,
+                        peer_python=args.peer_python, threads=args.threads, command=command)
+
+
+def run_one(name: str, opts: BenchOptions, replot: bool = False) -> None:
+    module = importlib.import_module(BENCHMARKS[name])
+    if replot:
+        from octavo.bench.common import replot as redraw
+
+        print(f"== {name}: {redraw(opts.out / f'{name}.json', module.plot)}")
+        return
+    t0 = time.perf_counter()
+    result, plot = module.run(opts)
+    paths = result.write(opts.out, plot)
+    print(f"== {name} ({time.perf_counter() - t0:.0f} s): " + ", ".join(map(str, paths)))
+    print(result.markdown, flush=True)
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+    if args is None:
+        parser = argparse.ArgumentParser(prog="octavo bench", description=__doc__)
+        add_bench_args(parser)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(argv)
+    else:  # from `octavo bench ...`: sys.argv is [prog, "bench", ...]
+        argv = list(sys.argv[2:])
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for the server / peer subprocesses
+    import torch
+
+    torch.set_num_threads(args.threads)
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    for name in names:
+        run_one(name, options(argparse.Namespace(**{**vars(args), "name": name}), argv),
+                args.replot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,27 @@
+"""The options every `octavo bench NAME` accepts; each benchmark reads the ones it needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class BenchOptions:
+    quick: bool = False
+    out: Path = Path("bench_results")
+    seed: int = 0
+    repeats: int | None = None  # None: the benchmark's default (fewer under --quick)
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtypes: list[str] = field(default_factory=lambda: ["float32"])
+    num_requests: int | None = None  # override a benchmark's default request count
+    peer: list[str] = field(default_factory=list)  # "vllm"
+    peer_python: str | None = None
+    threads: int = 1  # torch threads here and in the server / peer subprocesses
+    command: str = ""  # the command line, recorded next to every result
+
+    def pick(self, quick: int, full: int) -> int:
+        return quick if self.quick else full
+
+    def reps(self, quick: int, full: int) -> int:
+        return self.repeats if self.repeats is not None else self.pick(quick, full)

@@ -1,0 +1,95 @@
+"""Smoke tests for `octavo bench`: the model-free benchmarks end to end, plus the model-driven
+ones on the tiny random Llama (fast; its numbers mean nothing, only that the plumbing works).
+
+The model-free ones also check the goals that do not depend on the machine: paging at block
+size 16 wastes under 4% of occupied KV memory and runs >= 4x the requests of max-length
+contiguous reservation on the same budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from octavo.bench import workloads
+from octavo.bench.cli import main as bench_main
+from octavo.bench.sim import simulate
+from octavo.cli import build_parser
+
+
+def _files(out: Path, name: str) -> dict:
+    for ext in ("json", "md", "png"):
+        assert (out / f"{name}.{ext}").stat().st_size > 0, f"{name}.{ext} missing"
+    data = json.loads((out / f"{name}.json").read_text())
+    assert data["machine"]["cpu"] and data["machine"]["cores"]
+    assert data["command"].startswith("octavo bench")
+    return data
+
+
+def test_workloads_are_seeded_and_shaped() -> None:
+    a, b = workloads.sharegpt(200, seed=3), workloads.sharegpt(200, seed=3)
+    assert a == b and a != workloads.sharegpt(200, seed=4)
+    assert all(r.total_len <= a.max_model_len for r in a.requests)
+    assert 100 < a.prompt_tokens / len(a) < 200 and 250 < a.output_tokens / len(a) < 400
+    m = workloads.mixed()
+    assert len(m) == 64 and {r.output_len for r in m.requests} == {128}
+    assert all(32 <= r.prompt_len <= 512 for r in m.requests)
+    p = workloads.prefix(num_groups=2, per_group=3)
+    for r in p.requests:
+        same = [q for q in p.requests if q.group == r.group]
+        assert all(q.prompt_token_ids[:512] == r.prompt_token_ids[:512] for q in same)
+        assert r.prompt_len == 576
+    c = workloads.case_study(100)
+    assert c.max_model_len == 4096 and all(200 <= r.total_len <= 1000 for r in c.requests)
+    al = workloads.alpaca(500)
+    assert 12 < al.prompt_tokens / len(al) < 25 and 40 < al.output_tokens / len(al) < 70
+    assert workloads.poisson_arrivals(3, math.inf) == [0.0] * 3
+    arr = workloads.poisson_arrivals(1000, 2.0, seed=1)
+    assert arr == sorted(arr) and 400 < arr[-1] < 600
+
+
+def test_simulated_paging_finishes_every_request() -> None:
+    wl = workloads.sharegpt(120, seed=1)
+    for kind in ("contiguous-max", "contiguous-request", "paged"):
+        r = simulate(wl, kind, kv_tokens=8192, block_size=16)
+        assert r.completed == len(wl)
+        assert r.peak_running <= 8192 // 2048 if kind == "contiguous-max" else True
+
+
+def test_cli_has_bench_subcommand() -> None:
+    args = build_parser().parse_args(["bench", "all", "--quick", "--out", "x"])
+    assert args.name == "all" and args.quick and args.func.__name__ == "cmd_bench"
+
+
+def test_waste_quick(tmp_path: Path) -> None:
+    assert bench_main(["waste", "--quick", "--out", str(tmp_path)]) == 0
+    rows = _files(tmp_path, "waste")["results"]
+    paged16 = [r for r in rows if r["allocator"] == "paged" and r["block_size"] == 16]
+    assert paged16 and all(1 - r["waste_of_used"]["live"]["mean"] < 0.04 for r in paged16)
+    contig = [r for r in rows if r["allocator"] == "contiguous-max"]
+    assert all(r["waste_of_used"]["live"]["mean"] < 0.4 for r in contig)
+
+
+def test_concurrency_quick(tmp_path: Path) -> None:
+    assert bench_main(["concurrency", "--quick", "--out", str(tmp_path)]) == 0
+    assert _files(tmp_path, "concurrency")["results"]["paged_vs_contiguous_max"] >= 4
+
+
+@pytest.mark.parametrize("name", ["prefix", "sharing", "serving"])
+def test_model_benchmarks_quick_on_tiny_model(name: str, tiny_llama_dir: Path,
+                                              tmp_path: Path) -> None:
+    argv = [name, "--quick", "--model", str(tiny_llama_dir), "--out", str(tmp_path)]
+    assert bench_main(argv) == 0
+    results = _files(tmp_path, name)["results"]
+    if name == "prefix":
+        on = next(r for r in results["rows"] if r["prefix_caching"])
+        assert on["hit_rate"] > 0.3 and on["prefill_saved"] > 0.3
+    elif name == "sharing":
+        beams = [r for r in results if r["mode"] == "beam"]
+        assert beams and all(r["mean_saving"] > 0 for r in beams)
+    else:
+        assert all(r["completed"] == r["requests"] and r["short_outputs"] == 0
+                   for r in results)
