@@ -39,8 +39,18 @@ def test_disconnect_mid_stream_frees_everything(tiny_server: RunningServer) -> N
     assert generated < LONG["n"] * LONG["max_tokens"]  # aborted, not run to the end
 
 
-def test_disconnect_while_waiting_non_streaming(tiny_server: RunningServer) -> None:
+def test_disconnect_while_waiting_non_streaming(tiny_server: RunningServer, monkeypatch) -> None:
     before = tiny_server.wait_idle()
+    # The tiny model can finish 4 x 480 tokens within the client's timeout on a quiet
+    # machine; slowing each engine step keeps the request in flight when the client leaves.
+    engine = tiny_server.engine.engine
+    real_step = engine.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{tiny_server.url}/v1/completions", json=LONG, timeout=0.5)
     after = tiny_server.wait_idle(timeout=5)
