@@ -97,16 +97,11 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        ids = [f"{next(self._ids)}" for _ in prompts]
-        try:
-            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
-            finished = self._run(ids, use_tqdm)
-        except BaseException:
-            for rid in ids:  # nothing is leaked: every block goes back to the pool
-                self.engine.abort_request(rid)
-            raise
-        return [finished[rid] for rid in ids]
+        requests = [
+            dict(prompt=prompt, params=p, priority=priority[i] if priority else 0)
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        return self._submit_and_run(requests, use_tqdm)
 
     def beam_search(
         self,
@@ -122,18 +117,11 @@ class LLM:
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        ids = [f"{next(self._ids)}" for _ in prompts]
-        try:
-            for rid, prompt in zip(ids, prompts, strict=True):
-                self.engine.add_request(rid, prompt, beam_params=params)
-            finished = self._run(ids, use_tqdm)
-        except BaseException:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
+        finished = self._submit_and_run(
+            [dict(prompt=prompt, beam_params=params) for prompt in prompts], use_tqdm
+        )
         results = []
-        for rid in ids:
-            out = finished[rid]
+        for out in finished:
             results.append(BeamSearchOutput(sequences=[
                 BeamSearchSequence(
                     tokens=out.prompt_token_ids + o.token_ids,
@@ -144,6 +132,20 @@ class LLM:
                 for o in out.outputs
             ]))
         return results
+
+    def _submit_and_run(self, requests: list[dict], use_tqdm: bool) -> list[RequestOutput]:
+        """Add every request, run them to completion, return outputs in input order. On any
+        error (bad input, a failed step, Ctrl-C) all of them are aborted: no block is leaked."""
+        ids = [f"{next(self._ids)}" for _ in requests]
+        try:
+            for rid, kwargs in zip(ids, requests, strict=True):
+                self.engine.add_request(rid, **kwargs)
+            finished = self._run(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [finished[rid] for rid in ids]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
