@@ -13,6 +13,7 @@ from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
 from octavo.model.runner import ModelRunner
 from octavo.step_plan import SeqChunk, StepPlan
+from tests.engine.conftest import hf_greedy
 
 MAX_TOKENS = 32
 TEXTS = [
@@ -47,16 +48,8 @@ def hf_model(default_model_dir):
 
 @pytest.fixture(scope="module")
 def hf_tokens(hf_model, prompts) -> list[list[int]]:
-    refs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = hf_model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                do_sample=False, pad_token_id=0,
-            )
-            refs.append(out[0, len(p):].tolist())
-            assert len(refs[-1]) == MAX_TOKENS
+    refs = hf_greedy(hf_model, prompts, MAX_TOKENS)
+    assert all(len(r) == MAX_TOKENS for r in refs)
     return refs
 
 
