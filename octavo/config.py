@@ -123,6 +123,8 @@ class EngineConfig:
     swap_space: float | None = None
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"  # auto | torch | cpu (the compiled CPU decode kernel)
+    linear_backend: str = "auto"  # auto | torch | onednn (pre-packed oneDNN weights on CPU)
+    fused_ops: str = "auto"  # auto | torch | cpu (compiled RMSNorm/RoPE/SiLU-and-mul on CPU)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:

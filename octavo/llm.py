@@ -44,6 +44,8 @@ class LLM:
         swap_space: float | None = None,
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
+        fused_ops: str = "auto",
         seed: int = 0,
     ) -> None:
         config = EngineConfig(
@@ -59,6 +61,8 @@ class LLM:
             swap_space=swap_space,
             gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend,
+            linear_backend=linear_backend,
+            fused_ops=fused_ops,
             cache=CacheConfig(
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,

@@ -60,6 +60,8 @@ class LLMEngine:
             num_blocks=sizing.num_blocks, block_size=config.cache.block_size,
             max_model_len=sizing.max_model_len, num_host_blocks=sizing.num_host_blocks,
             backend=config.attention_backend,
+            linear_backend=config.linear_backend,
+            fused_ops=config.fused_ops,
         )
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}

@@ -5,11 +5,17 @@ The forward pass takes one flat batch of new tokens (no padding) and returns log
 rows asked for (the last token of each sampling sequence), never for every prompt position.
 Q/K/V and gate/up projections are fused into one matmul each; the weights are concatenated at
 load time from the HF checkpoint's separate tensors.
+
+The residual stream is carried beside each layer's output (vLLM's convention), so that every
+residual add is fused with the RMSNorm that follows it. On CPU, `use_cpu_ops` switches RMSNorm
+(with its residual add), RoPE and SiLU-and-mul to octavo's compiled ops (csrc/fused_ops.cpp),
+which follow the same op order; the torch code here is the reference and the fallback.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +31,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops: Any = None  # compiled CPU ops, when enabled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         # Same op order as transformers' LlamaRMSNorm: statistics in fp32, scale in the model dtype.
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place), then the norm of the new residual."""
+        if self.ops is not None:
+            return self.ops.add_rms_norm_(x, residual, self.weight, self.eps)
+        residual.add_(x)
+        return self.forward(residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -75,8 +91,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, fp32_rows: bool = False):
+        """cos and sin per token: [T, 1, head_dim] in the model dtype (transformers' cast), or
+        with fp32_rows [T, head_dim] float32 for the compiled RoPE, which casts itself."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        if fp32_rows:
+            return cos, sin
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -101,12 +122,17 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.ops: Any = None  # compiled CPU ops, when enabled
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta, backend: AttentionBackend):
         qkv = self.qkv_proj(x)
+        if self.ops is not None:
+            self.ops.rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.ops is None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -122,9 +148,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
+        self.ops: Any = None  # compiled CPU ops, when enabled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -136,9 +166,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, backend):
+        """x: the previous layer's MLP output (or the embeddings, with residual None); residual:
+        the stream before it, updated in place. Returns (this layer's MLP output, residual)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, k_cache, v_cache, meta, backend)
+        h = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,12 +199,19 @@ class LlamaForCausalLM(nn.Module):
         logit_indices: torch.Tensor,  # [S] rows whose logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary(positions, x.dtype, fp32_rows=self.norm.ops is not None)
+        residual = None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            x = layer(x, cos, sin, k_cache, v_cache, meta, backend)
-        h = self.norm(x[logit_indices])
-        return self.lm_head(h).float()
+            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta, backend)
+        h = residual[logit_indices] + x[logit_indices] if residual is not None else x[logit_indices]
+        return self.lm_head(self.norm(h)).float()
+
+    def use_cpu_ops(self, ops: Any) -> None:
+        """Route RMSNorm, RoPE and SiLU-and-mul through the compiled CPU ops (None: torch)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.ops = ops
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load an HF Llama checkpoint's tensors, fusing q/k/v and gate/up."""

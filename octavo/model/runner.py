@@ -6,6 +6,7 @@ requests or scheduling; it executes exactly what the plan says.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from safetensors import safe_open
 from octavo.config import ModelConfig
 from octavo.model.attention import get_backend
 from octavo.model.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
+from octavo.model.cpu_ops import load_cpu_ops
 from octavo.model.kv_cache import KVCache
+from octavo.model.linear import pack_linears
 from octavo.model.llama import LlamaForCausalLM, RotaryEmbedding
 from octavo.step_plan import StepPlan
 
@@ -41,7 +44,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-    max_positions: int,
+    max_positions: int, linear_backend: str | None = None, fused_ops: str | None = None,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
@@ -55,7 +58,32 @@ def load_model(
     model.rotary = RotaryEmbedding(config, max_positions).to(device)
     model = model.to(dtype=dtype)
     model.rotary.to(torch.float32)  # tables stay fp32; cast per step like transformers
+    pack_linears(model, linear_backend)
+    if use_fused_ops(fused_ops, device):
+        model.use_cpu_ops(load_cpu_ops())
     return model.eval()
+
+
+FUSED_OPS = ("auto", "torch", "cpu")
+
+
+def use_fused_ops(choice: str | None, device: torch.device) -> bool:
+    """auto: the compiled CPU ops on CPU when they build (OCTAVO_FUSED_OPS overrides auto);
+    torch: plain torch ops; cpu: the compiled ops, or an error."""
+    choice = choice or "auto"
+    if choice == "auto":
+        choice = os.environ.get("OCTAVO_FUSED_OPS", "auto")
+    if choice not in FUSED_OPS:
+        raise ValueError(f"fused_ops={choice!r} is not one of {FUSED_OPS}")
+    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
+        return False
+    if device.type != "cpu":
+        raise ValueError("fused_ops='cpu' runs on CPU only")
+    if load_cpu_ops() is None:
+        if choice == "cpu":
+            raise RuntimeError("octavo's compiled CPU ops could not be built on this machine")
+        return False
+    return True
 
 
 @dataclass(slots=True)
@@ -79,12 +107,15 @@ class ModelRunner:
         max_model_len: int,
         num_host_blocks: int = 0,
         backend: AttentionBackend | str | None = None,
+        linear_backend: str | None = None,
+        fused_ops: str | None = None,
     ) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.model = load_model(model_dir, config, dtype, device, max_model_len)
+        self.model = load_model(model_dir, config, dtype, device, max_model_len,
+                                linear_backend, fused_ops)
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype, device, num_host_blocks)
         if not isinstance(backend, AttentionBackend):
             backend = get_backend(backend, device)

@@ -27,9 +27,9 @@ def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
     if device.type != "cpu":
         raise ValueError("the 'cpu' attention backend runs on CPU only")
     from octavo.model.attention.cpu_backend import CpuPagedAttentionBackend
-    from octavo.model.attention.cpu_kernel import load_paged_decode
+    from octavo.model.cpu_ops import load_cpu_ops
 
-    kernel = load_paged_decode()
+    kernel = load_cpu_ops()
     if kernel is None:
         if name == "cpu":
             raise RuntimeError("the 'cpu' attention backend could not be built on this machine")

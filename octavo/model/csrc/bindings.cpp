@@ -1,0 +1,12 @@
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged attention, single-token decode (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm in transformers' op order");
+  m.def("add_rms_norm_", &add_rms_norm_,
+        "residual += x (in place), then RMSNorm(residual)");
+  m.def("rope_", &rope_, "rotary embedding of the q and k heads of a fused qkv buffer, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from a fused [T, 2I] gate_up buffer");
+}

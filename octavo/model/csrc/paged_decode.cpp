@@ -1,0 +1,154 @@
+// Paged attention for single-token decode on CPU.
+//
+// One work item per sequence. It walks the sequence's block table once; each block holds
+// [block_size, num_kv_heads, head_dim] contiguous K (and V) rows, so a block is one sequential
+// read, and the next block is prefetched while this one is used (blocks sit anywhere in the
+// pool, which the hardware prefetcher cannot guess). Softmax is online (flash-decoding style):
+// per (KV head, query head of its group) a running max, a running sum and an fp32 accumulator,
+// rescaled only when a block raises the max. The query heads of a GQA group share every K/V row
+// they read. exp() is a vectorisable polynomial (about 1 ulp). Everything accumulates in fp32
+// in a fixed order, so results do not depend on batch composition or thread count.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "ops.h"
+#include "vec_math.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using octavo::as_float;
+using octavo::exp_approx;
+using octavo::store;
+
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+}
+
+// HD: head_dim fixed at compile time (fully unrolled loops), or 0 for any head_dim.
+template <typename T, int64_t HD>
+void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                   const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim_arg, int64_t block_size,
+                   int64_t table_width, float scale) {
+  const int64_t head_dim = HD ? HD : head_dim_arg;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row = num_kv_heads * head_dim;  // elements between slots in the cache
+  const int64_t block_elems = block_size * row;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    // per query head: q (scaled), running max, running sum, accumulator; per block: scores
+    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim);
+    std::vector<float> mx(num_heads), sum(num_heads), scores(num_heads * block_size);
+    std::vector<float> kbuf(head_dim), vbuf(head_dim);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = context_lens[b];
+      const int64_t* table = block_tables + b * table_width;
+      const T* qb = q + b * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.end(), 0.f);
+      const int64_t nblocks = (len + block_size - 1) / block_size;
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const T* kb = k_cache + table[j] * block_elems;
+        const T* vb = v_cache + table[j] * block_elems;
+        if (j + 1 < nblocks) {
+          prefetch_block(k_cache + table[j + 1] * block_elems, block_bytes);
+          prefetch_block(v_cache + table[j + 1] * block_elems, block_bytes);
+        }
+        const int64_t n = std::min(block_size, len - j * block_size);
+        // scores[head][t] = q_head . k_t
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const float* kr = as_float(kb + t * row + h * head_dim, kbuf.data(), head_dim);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t head = h * group + g;
+              const float* qh = qf.data() + head * head_dim;
+              float s = 0.f;
+#pragma omp simd reduction(+ : s)
+              for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * kr[d];
+              scores[head * block_size + t] = s;
+            }
+          }
+        }
+        // online softmax: raise the running max, rescale, exponentiate this block's scores
+        for (int64_t head = 0; head < num_heads; ++head) {
+          float* sh = scores.data() + head * block_size;
+          float m = mx[head];
+          for (int64_t t = 0; t < n; ++t) m = sh[t] > m ? sh[t] : m;
+          if (m > mx[head]) {
+            const float f = exp_approx(mx[head] - m);  // 0 on the first block (-inf)
+            float* ah = acc.data() + head * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ah[d] *= f;
+            sum[head] *= f;
+            mx[head] = m;
+          }
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t t = 0; t < n; ++t) {
+            sh[t] = exp_approx(sh[t] - m);
+            s += sh[t];
+          }
+          sum[head] += s;
+        }
+        // acc[head] += p[head][t] * v_t
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const float* vr = as_float(vb + t * row + h * head_dim, vbuf.data(), head_dim);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t head = h * group + g;
+              const float p = scores[head * block_size + t];
+              float* ah = acc.data() + head * head_dim;
+#pragma omp simd
+              for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * vr[d];
+            }
+          }
+        }
+      }
+      T* ob = out + b * num_heads * head_dim;
+      for (int64_t head = 0; head < num_heads; ++head) {
+        const float inv = 1.f / sum[head];
+        for (int64_t d = 0; d < head_dim; ++d)
+          store(ob + head * head_dim + d, acc[head * head_dim + d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B,H,D], cache [NB,BS,KVH,D] expected");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "contiguous tensors expected");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the cache must have one dtype");
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  context_lens = context_lens.to(torch::kInt64).contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k_cache.size(3) == D, "cache head_dim differs from q's");
+  TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B,
+              "one block table and one context length per sequence expected");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    auto kernel = D == 64 ? decode_kernel<scalar_t, 64>
+                  : D == 128 ? decode_kernel<scalar_t, 128>
+                             : decode_kernel<scalar_t, 0>;
+    kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+           block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+           out.data_ptr<scalar_t>(), B, H, KVH, D, BS, block_tables.size(1),
+           static_cast<float>(scale));
+  });
+  return out;
+}
