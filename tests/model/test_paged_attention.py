@@ -123,3 +123,38 @@ def test_decode_kernel_bfloat16_matches_reference():
         values = v_cache[tables[b]].flatten(0, 1)[: lens[b]].float()
         ref = dense_reference(q[b : b + 1].float(), keys, values, lens[b].item() - 1)
         torch.testing.assert_close(out[b].float(), ref[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_head_dims_and_long_contexts(head_dim, block_size, dtype):
+    """The kernel's unrolled paths (head_dim 64 and 128, 16 keys at a time) and its generic
+    path, over contexts that end mid-chunk, with peaked scores that make the running max move."""
+    kernel_backend = get_backend("cpu", torch.device("cpu"))
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    heads, kv_heads = 9, 3
+    lens = [1, 15, 16, 17, 100, 333]
+    nblocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(nblocks) + 2
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for nb in nblocks:
+        tables.append(perm[:nb] + [0] * (max(nblocks) - nb))
+        perm = perm[nb:]
+    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 4).to(dtype)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), torch.tensor(tables),
+                             torch.tensor(lens), [])
+    scale = head_dim**-0.5
+    out = kernel_backend._decode(q, k_cache, v_cache, meta, scale)
+    for b, n in enumerate(lens):
+        keys = k_cache[torch.tensor(tables[b])].flatten(0, 1)[:n].float()
+        values = v_cache[torch.tensor(tables[b])].flatten(0, 1)[:n].float()
+        rep = heads // kv_heads
+        ref = F.scaled_dot_product_attention(
+            q[b].float()[:, None, :], keys.repeat_interleave(rep, 1).transpose(0, 1),
+            values.repeat_interleave(rep, 1).transpose(0, 1), scale=scale)[:, 0, :]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)

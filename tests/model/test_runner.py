@@ -19,11 +19,18 @@ def hf_model(tiny_llama_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-def make_runner(model_dir, block_size: int, num_blocks: int = 200) -> ModelRunner:
+# "compiled": oneDNN linears, the C++ decode kernel and fused ops (the CPU default);
+# "torch": the plain-torch fallback of each
+KERNELS = {"compiled": {}, "torch": dict(backend="torch", linear_backend="torch",
+                                         fused_ops="torch")}
+
+
+def make_runner(model_dir, block_size: int, num_blocks: int = 200,
+                kernels: str = "compiled") -> ModelRunner:
     return ModelRunner(
         model_dir, ModelConfig.from_dir(model_dir), dtype=torch.float32,
         device=torch.device("cpu"), num_blocks=num_blocks, block_size=block_size,
-        max_model_len=512,
+        max_model_len=512, **KERNELS[kernels],
     )
 
 
@@ -32,10 +39,11 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0]
 
 
+@pytest.mark.parametrize("kernels", sorted(KERNELS))
 @pytest.mark.parametrize("block_size", [1, 16, 256])
-def test_chunked_and_mixed_plans_match_dense(tiny_llama_dir, hf_model, block_size):
+def test_chunked_and_mixed_plans_match_dense(tiny_llama_dir, hf_model, block_size, kernels):
     rng = random.Random(block_size)
-    runner = make_runner(tiny_llama_dir, block_size)
+    runner = make_runner(tiny_llama_dir, block_size, kernels=kernels)
     free = list(range(200))
     rng.shuffle(free)
     seqs = [[rng.randrange(3, 256) for _ in range(n)] for n in (3, 40, 90, 1)]
@@ -78,12 +86,24 @@ def test_block_copy_executes_before_forward(tiny_llama_dir, hf_model):
     torch.testing.assert_close(out.logits[0], ref, atol=1e-4, rtol=1e-4)
 
 
-def test_rope_scaling_and_tied_embeddings(tmp_path):
+@pytest.mark.parametrize("kernels", sorted(KERNELS))
+def test_rope_scaling_and_tied_embeddings(tmp_path, kernels):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     model_dir = build_tiny_llama(tmp_path, rope_scaling=scaling, tie_word_embeddings=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    runner = make_runner(model_dir, 16)
+    runner = make_runner(model_dir, 16, kernels=kernels)
     tokens = list(range(3, 203))
     out = runner.execute(StepPlan([SeqChunk(tokens, 0, list(range(13)))]))
     torch.testing.assert_close(out.logits[0], hf_logits(hf, tokens)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_switches(tiny_llama_dir):
+    from octavo.model.linear import PackedLinear
+    from octavo.model.runner import use_fused_ops
+
+    plain = make_runner(tiny_llama_dir, 16, kernels="torch")
+    assert plain.model.norm.ops is None and plain.backend.name == "torch"
+    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    with pytest.raises(ValueError, match="fused_ops='fast' is not one of"):
+        use_fused_ops("fast", torch.device("cpu"))

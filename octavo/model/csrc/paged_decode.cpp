@@ -13,11 +13,13 @@
 
 #include "ops.h"
 #include "vec_math.h"
+#include "decode_avx512.h"
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -52,6 +54,14 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       const int64_t* table = block_tables + b * table_width;
       const T* qb = q + b * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
+#ifdef OCTAVO_HAVE_AVX512_DECODE
+      if constexpr (HD != 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+        octavo::decode_seq_avx512<T, HD>(qf.data(), k_cache, v_cache, table, len, num_heads,
+                                         num_kv_heads, block_size, mx.data(), sum.data(),
+                                         acc.data(), out + b * num_heads * head_dim);
+        continue;
+      }
+#endif
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);

@@ -1,0 +1,152 @@
+// The AVX-512 path of paged_decode.cpp: the same algorithm (per sequence, block by block, online
+// softmax in fp32), with 16 keys at a time. For each query head, the 16 dot products of a chunk
+// are 16 vectors of partial sums folded into one vector of 16 scores by a transpose-and-add tree
+// (no horizontal sum per key), exp() runs on all 16 lanes at once, and the V rows are
+// accumulated into a register-resident fp32 accumulator. K/V rows are read and widened to fp32
+// straight from the cache blocks.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace octavo {
+
+#ifndef OCTAVO_PREFETCH_BLOCKS
+#define OCTAVO_PREFETCH_BLOCKS 2
+#endif
+constexpr int64_t kPrefetchBlocks = OCTAVO_PREFETCH_BLOCKS;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp for 16 lanes, the same polynomial as exp_approx (vec_math.h); lanes below -87.3 give 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, fx));
+}
+
+// v[t] (16 vectors) -> one vector whose lane t is the sum of v[t]'s 16 lanes.
+inline __m512 sum_lanes16(__m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // b[i], 128-bit lane L: partial sums (lane L of v) of keys 4i..4i+3
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// One sequence. q: [num_heads, HD] already scaled, fp32. State per query head in m, l, acc.
+template <typename T, int HD>
+void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                       int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                       float* m, float* l, float* acc, T* out) {
+  constexpr int C = HD / 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row = num_kv_heads * HD;
+  const int64_t block_elems = block_size * row;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t h = 0; h < num_heads; ++h) m[h] = neg_inf, l[h] = 0.f;
+  for (int64_t i = 0; i < num_heads * HD; ++i) acc[i] = 0.f;
+  alignas(64) float p_buf[16];
+  const int64_t nblocks = (len + block_size - 1) / block_size;
+  // Keep kPrefetchBlocks blocks in flight ahead of the one being read.
+  auto prefetch = [&](int64_t jj) {
+    const char* nk = reinterpret_cast<const char*>(k_cache + table[jj] * block_elems);
+    const char* nv = reinterpret_cast<const char*>(v_cache + table[jj] * block_elems);
+    for (int64_t off = 0; off < block_bytes; off += 64) {
+      _mm_prefetch(nk + off, _MM_HINT_T0);
+      _mm_prefetch(nv + off, _MM_HINT_T0);
+    }
+  };
+  for (int64_t jj = 1; jj < std::min<int64_t>(nblocks, kPrefetchBlocks); ++jj) prefetch(jj);
+  for (int64_t j = 0; j < nblocks; ++j) {
+    if (j + kPrefetchBlocks < nblocks) prefetch(j + kPrefetchBlocks);
+    const int64_t block_len = std::min(block_size, len - j * block_size);
+    for (int64_t t0 = 0; t0 < block_len; t0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, block_len - t0));
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+      const T* kb = k_cache + table[j] * block_elems + t0 * row;
+      const T* vb = v_cache + table[j] * block_elems + t0 * row;
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        const T* kh = kb + kvh * HD;
+        const T* vh = vb + kvh * HD;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = kvh * group + g;
+          __m512 qv[C];
+          for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + head * HD + 16 * c);
+          __m512 part[16];
+          for (int t = 0; t < 16; ++t) {
+            if (t < n) {
+              __m512 s = _mm512_mul_ps(qv[0], load16(kh + t * row));
+              for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[c], load16(kh + t * row + 16 * c), s);
+              part[t] = s;
+            } else {
+              part[t] = _mm512_setzero_ps();
+            }
+          }
+          const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid,
+                                                   sum_lanes16(part));
+          const float block_max = _mm512_reduce_max_ps(scores);
+          float* a = acc + head * HD;
+          if (block_max > m[head]) {
+            const float f = m[head] == neg_inf ? 0.f : std::exp(m[head] - block_max);
+            for (int i = 0; i < HD; ++i) a[i] *= f;
+            l[head] *= f;
+            m[head] = block_max;
+          }
+          const __m512 p = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[head])));
+          l[head] += _mm512_reduce_add_ps(p);
+          _mm512_store_ps(p_buf, p);
+          __m512 av[C];
+          for (int c = 0; c < C; ++c) av[c] = _mm512_loadu_ps(a + 16 * c);
+          for (int t = 0; t < n; ++t) {
+            const __m512 pt = _mm512_set1_ps(p_buf[t]);
+            for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(pt, load16(vh + t * row + 16 * c), av[c]);
+          }
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
+        }
+      }
+    }
+  }
+  for (int64_t head = 0; head < num_heads; ++head) {
+    const float inv = 1.f / l[head];
+    for (int i = 0; i < HD; ++i) store(out + head * HD + i, acc[head * HD + i] * inv);
+  }
+}
+
+}  // namespace octavo
+
+#define OCTAVO_HAVE_AVX512_DECODE 1
+#endif  // __AVX512F__
