@@ -93,3 +93,31 @@ def test_model_benchmarks_quick_on_tiny_model(name: str, tiny_llama_dir: Path,
     else:
         assert all(r["completed"] == r["requests"] and r["short_outputs"] == 0
                    for r in results)
+
+
+def test_throughput_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    argv = ["throughput", "--quick", "--model", str(tiny_llama_dir), "--out", str(tmp_path)]
+    assert bench_main(argv) == 0
+    rows = _files(tmp_path, "throughput")["results"]["engines"]
+    engines = {r["engine"] for r in rows}
+    assert {"octavo-paged", "octavo-contiguous", "hf-generate", "GEMM floor"} <= engines
+    for r in rows:
+        if r["engine"] == "GEMM floor":
+            assert r["gemm"]["prefill_flops"] > 0 and r["gemm"]["decode_gflops"] > 0
+        else:  # nothing runs the whole model faster than its matmuls alone
+            assert r["x_floor_time"] > 1
+
+
+def test_gemm_floor_counts_every_weight_once_per_token() -> None:
+    from octavo.bench.roofline import workload_flops
+    from octavo.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5,
+                      rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    wl = workloads.Workload("w", (workloads.BenchRequest((1, 2, 3), 4),), 64)
+    per_token = 2 * 2 * (8 * 16 + 8 * 8 + 8 * 32 + 16 * 8)  # qkv, o, gate_up, down; 2 layers
+    f = workload_flops(cfg, wl)
+    assert f["prefill_flops"] == 3 * per_token and f["decode_flops"] == 3 * per_token
+    assert f["lm_head_flops"] == 4 * 2 * 8 * 100

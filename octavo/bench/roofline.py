@@ -1,0 +1,75 @@
+"""The GEMM floor of a workload: how fast any engine could finish it if it did nothing but the
+model's matrix multiplications, at the best rate this machine's CPU reaches on them.
+
+A decoder-only model's linear layers do 2 FLOPs per weight per token they process, whatever the
+engine: every prompt token and every generated token but the last passes through every layer,
+and the vocabulary projection runs once per generated token (engines that project only the
+sampled rows, as octavo and vLLM do). That work is timed here with oneDNN's pre-packed matmul
+(octavo's CPU linear, and what vLLM's CPU build uses) at a decode-sized and a prefill-sized
+batch; attention, norms, sampling and scheduling come on top. An engine's time divided by the
+floor says how much room is left beside the matmuls.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from octavo.bench.common import median
+from octavo.bench.workloads import Workload
+from octavo.config import ModelConfig
+
+DECODE_ROWS = 32  # a decode step of the throughput workloads
+PREFILL_ROWS = 512  # a slice of a packed prefill step
+
+
+def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's linear layers, q/k/v and gate/up fused."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
+
+
+def workload_flops(cfg: ModelConfig, wl: Workload) -> dict[str, float]:
+    per_token = 2 * cfg.num_layers * sum(a * b for a, b in layer_shapes(cfg))
+    prompt = sum(len(r.prompt_token_ids) for r in wl.requests)
+    fed_back = sum(r.output_len - 1 for r in wl.requests)  # generated tokens run through layers
+    return {
+        "prefill_flops": prompt * per_token,
+        "decode_flops": fed_back * per_token,
+        "lm_head_flops": wl.output_tokens * 2 * cfg.hidden_size * cfg.vocab_size,
+    }
+
+
+def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, rows: int, repeats: int = 5) -> float:
+    """FLOP/s of one decoder layer's linears (plus the vocabulary projection at decode size),
+    oneDNN-packed, at `rows` tokens; median of `repeats`."""
+    from octavo.model.linear import PackedLinear, onednn_usable
+
+    shapes = layer_shapes(cfg) + ([(cfg.hidden_size, cfg.vocab_size)] if rows <= 64 else [])
+    layers = []
+    for a, b in shapes:
+        lin = torch.nn.Linear(a, b, bias=False).to(dtype)
+        layers.append((PackedLinear(lin) if onednn_usable(dtype) else lin, a))
+    flops = sum(2 * rows * a * layer.out_features for layer, a in layers)
+    xs = {a: torch.randn(rows, a).to(dtype) for _, a in layers}
+    times = []
+    with torch.inference_mode():
+        for rep in range(repeats + 1):
+            t0 = time.perf_counter()
+            for layer, a in layers:
+                layer(xs[a])
+            if rep:  # the first pass warms up
+                times.append(time.perf_counter() - t0)
+    return flops / median(times)
+
+
+def floor_seconds(cfg: ModelConfig, wl: Workload, dtype: torch.dtype) -> dict[str, float]:
+    f = workload_flops(cfg, wl)
+    decode_rate = gemm_rate(cfg, dtype, DECODE_ROWS)
+    prefill_rate = gemm_rate(cfg, dtype, PREFILL_ROWS)
+    seconds = (f["prefill_flops"] / prefill_rate
+               + (f["decode_flops"] + f["lm_head_flops"]) / decode_rate)
+    return {**f, "decode_gflops": decode_rate / 1e9, "prefill_gflops": prefill_rate / 1e9,
+            "floor_s": seconds}
