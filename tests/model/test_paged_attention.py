@@ -158,3 +158,19 @@ def test_decode_kernel_head_dims_and_long_contexts(head_dim, block_size, dtype):
             values.repeat_interleave(rep, 1).transpose(0, 1), scale=scale)[:, 0, :]
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("length", [1, 7, 300])
+def test_bf16_eager_prefill_matches_fp32_reference(length):
+    from octavo.model.attention.torch_backend import eager_causal
+
+    gen = torch.Generator().manual_seed(length)
+    q = torch.randn(length, 9, 64, generator=gen)
+    k = torch.randn(length, 3, 64, generator=gen)
+    v = torch.randn(length, 3, 64, generator=gen)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1),
+        v.repeat_interleave(3, 1).transpose(0, 1), is_causal=True, scale=0.125).transpose(0, 1)
+    torch.testing.assert_close(eager_causal(q, k, v, 0.125), ref, atol=1e-5, rtol=1e-5)
+    got = eager_causal(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125).float()
+    torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
