@@ -6,7 +6,7 @@ starts at position 0 needs no gather at all (its keys are exactly the new tokens
 chunk that starts later (prefix-cache hit, chunked prompt) gathers its blocks and uses an
 offset causal mask.
 
-In bf16/fp16, a prefill from position 0 of at most EAGER_PREFILL_MAX_LEN tokens runs as two
+On CPU in bf16/fp16, a prefill from position 0 of at most EAGER_PREFILL_MAX_LEN tokens runs as two
 batched matmuls around an fp32 softmax (transformers' "eager" attention) instead of SDPA: on
 CPU, torch's flash kernel does not profit from the narrower dtype, while the matmuls go to
 oneDNN's bf16 kernels. Measured inside the `mixed` benchmark (prompts of 32-512 tokens, bf16, one
@@ -76,7 +76,8 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _prefill(q, k, v, k_cache, v_cache, chunk, scale: float) -> torch.Tensor:
         qlen = q.shape[0]
-        if chunk.start_pos == 0 and q.dtype != torch.float32 and qlen <= EAGER_PREFILL_MAX_LEN:
+        if (chunk.start_pos == 0 and q.device.type == "cpu" and q.dtype != torch.float32
+                and qlen <= EAGER_PREFILL_MAX_LEN):
             return eager_causal(q, k, v, scale)
         if chunk.start_pos == 0:
             o = F.scaled_dot_product_attention(
