@@ -38,7 +38,8 @@ def load_cpu_ops() -> Any | None:
             name="octavo_cpu_ops",
             sources=[str(_CSRC / s) for s in SOURCES],
             extra_include_paths=[str(_CSRC)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,
         )
