@@ -18,11 +18,35 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from octavo.model.loader import cache_dir
 
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp")
+CHOICES = ("auto", "torch", "cpu")
+
+
+def select_cpu_ops(setting: str, choice: str | None, device: torch.device,
+                   env_var: str) -> Any | None:
+    """The compiled ops for an engine setting that chooses between them and plain torch, or
+    None for torch. auto: the compiled ops on CPU when they build (`env_var` overrides auto);
+    torch: never; cpu: the compiled ops, or an error naming `setting`."""
+    choice = choice or "auto"
+    if choice == "auto":
+        choice = os.environ.get(env_var, "auto")
+    if choice not in CHOICES:
+        raise ValueError(f"{setting}={choice!r} is not one of {CHOICES}")
+    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
+        return None
+    if device.type != "cpu":
+        raise ValueError(f"{setting}='cpu' runs on CPU only")
+    ops = load_cpu_ops()
+    if ops is None and choice == "cpu":
+        raise RuntimeError(f"{setting}='cpu': octavo's compiled CPU ops could not be built on "
+                           "this machine")
+    return ops
 
 
 @cache

@@ -6,7 +6,6 @@ requests or scheduling; it executes exactly what the plan says.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from safetensors import safe_open
 from octavo.config import ModelConfig
 from octavo.model.attention import get_backend
 from octavo.model.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
-from octavo.model.cpu_ops import load_cpu_ops
+from octavo.model.cpu_ops import select_cpu_ops
 from octavo.model.kv_cache import KVCache
 from octavo.model.linear import pack_linears
 from octavo.model.llama import LlamaForCausalLM, RotaryEmbedding
@@ -59,31 +58,8 @@ def load_model(
     model = model.to(dtype=dtype)
     model.rotary.to(torch.float32)  # tables stay fp32; cast per step like transformers
     pack_linears(model, linear_backend)
-    if use_fused_ops(fused_ops, device):
-        model.use_cpu_ops(load_cpu_ops())
+    model.use_cpu_ops(select_cpu_ops("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS"))
     return model.eval()
-
-
-FUSED_OPS = ("auto", "torch", "cpu")
-
-
-def use_fused_ops(choice: str | None, device: torch.device) -> bool:
-    """auto: the compiled CPU ops on CPU when they build (OCTAVO_FUSED_OPS overrides auto);
-    torch: plain torch ops; cpu: the compiled ops, or an error."""
-    choice = choice or "auto"
-    if choice == "auto":
-        choice = os.environ.get("OCTAVO_FUSED_OPS", "auto")
-    if choice not in FUSED_OPS:
-        raise ValueError(f"fused_ops={choice!r} is not one of {FUSED_OPS}")
-    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
-        return False
-    if device.type != "cpu":
-        raise ValueError("fused_ops='cpu' runs on CPU only")
-    if load_cpu_ops() is None:
-        if choice == "cpu":
-            raise RuntimeError("octavo's compiled CPU ops could not be built on this machine")
-        return False
-    return True
 
 
 @dataclass(slots=True)

@@ -99,11 +99,11 @@ def test_rope_scaling_and_tied_embeddings(tmp_path, kernels):
 
 
 def test_kernel_switches(tiny_llama_dir):
+    from octavo.model.cpu_ops import select_cpu_ops
     from octavo.model.linear import PackedLinear
-    from octavo.model.runner import use_fused_ops
 
     plain = make_runner(tiny_llama_dir, 16, kernels="torch")
     assert plain.model.norm.ops is None and plain.backend.name == "torch"
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
     with pytest.raises(ValueError, match="fused_ops='fast' is not one of"):
-        use_fused_ops("fast", torch.device("cpu"))
+        select_cpu_ops("fused_ops", "fast", torch.device("cpu"), "OCTAVO_FUSED_OPS")
