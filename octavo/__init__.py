@@ -9,9 +9,9 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
-    from octavo.engine.outputs import CompletionOutput, RequestOutput
-    from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
     from octavo.llm import LLM
+    from octavo.outputs import CompletionOutput, RequestOutput
+    from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 
 def __getattr__(name: str):
@@ -20,11 +20,11 @@ def __getattr__(name: str):
 
         return LLM
     if name in ("SamplingParams", "BeamSearchParams"):
-        from octavo.engine import sampling_params
+        from octavo import sampling_params
 
         return getattr(sampling_params, name)
     if name in ("RequestOutput", "CompletionOutput"):
-        from octavo.engine import outputs
+        from octavo import outputs
 
         return getattr(outputs, name)
     raise AttributeError(f"module 'octavo' has no attribute {name!r}")

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from collections.abc import Callable, Iterator
 
+from octavo.llm import LLM
+from octavo.sampling_params import SamplingParams
+
 HELP = "commands: /reset clears the conversation, /quit leaves"
 
 
-def stream_reply(llm, conversation: list[dict[str, str]], params, request_id: str) -> Iterator[str]:
+def stream_reply(llm: LLM, conversation: list[dict[str, str]], params: SamplingParams,
+                 request_id: str) -> Iterator[str]:
     """Yield text deltas of the assistant's reply as the engine produces them."""
     engine = llm.engine
     ids = llm.apply_chat_template(conversation)
@@ -31,14 +34,10 @@ def stream_reply(llm, conversation: list[dict[str, str]], params, request_id: st
         engine.abort_request(request_id)  # no-op when finished; frees blocks on Ctrl-C
 
 
-def run_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> int:
-    from octavo import LLM
-    from octavo.cli import engine_kwargs, sampling_params
-
-    llm = LLM(**engine_kwargs(args))
-    params = sampling_params(args)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    conversation = list(system)
+def run_chat(llm: LLM, params: SamplingParams, *, system: str | None = None,
+             read: Callable[[str], str] = input) -> int:
+    system_turn = [{"role": "system", "content": system}] if system else []
+    conversation = list(system_turn)
     ids = itertools.count()
     print(f"octavo chat ({llm.engine.model_dir.name}); {HELP}", flush=True)
     while True:
@@ -52,7 +51,7 @@ def run_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> in
         if line == "/quit":
             return 0
         if line == "/reset":
-            conversation = list(system)
+            conversation = list(system_turn)
             print("(conversation cleared)", flush=True)
             continue
         if line.startswith("/"):

@@ -1,41 +1,27 @@
-"""`octavo demo | generate | chat | bench` (and `serve`, once the server lands)."""
+"""`octavo demo | generate | chat | serve | bench`.
+
+Every engine flag comes from octavo/engine_args.py; a bad value fails here, before anything
+heavy is imported or any weight loads.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from collections.abc import Callable
+
+from octavo import engine_args
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (vLLM's flag names)")
-    g.add_argument("--model", default=None, help="local HF Llama-family directory "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false")
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--kv-allocator", default="paged", choices=["paged", "contiguous"])
-    g.add_argument("--seed", type=int, default=0)
+    engine_args.add_cli_args(p.add_argument_group("engine (vLLM's flag names)"))
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
-        scheduling_policy=args.scheduling_policy, kv_allocator=args.kv_allocator, seed=args.seed,
-    )
+def make_llm(args: argparse.Namespace):
+    from octavo.llm import LLM
+
+    return LLM.from_engine_args(engine_args.from_cli_args(args))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -59,10 +45,10 @@ def sampling_params(args: argparse.Namespace):
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job for now: prepare the default model, answer one chat turn, show speed."""
-    from octavo import LLM, SamplingParams
+    from octavo import SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
+    llm = make_llm(args)
     print(f"loaded {llm.engine.model_dir} in {time.perf_counter() - t0:.1f}s", flush=True)
     question = args.prompt or "What is PagedAttention, in two sentences?"
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -77,9 +63,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from octavo import LLM
-
-    llm = LLM(**engine_kwargs(args))
+    llm = make_llm(args)
     params = sampling_params(args)
     t = time.perf_counter()
     outs = llm.generate(args.prompts, params, use_tqdm=False)
@@ -94,17 +78,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
+def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> int:
     from octavo.chat import run_chat
 
-    return run_chat(args)
+    return run_chat(make_llm(args), sampling_params(args), system=args.system, read=read)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """The OpenAI-compatible HTTP server (octavo/server): one process, engine on a thread."""
-    from octavo.server.launcher import run_server
+    from octavo.server.launcher import run_server, server_config
 
-    return run_server(args)
+    llm = make_llm(args)
+    return run_server(llm, server_config(args, llm.engine.model_dir.name), args.host,
+                      args.port, args.uvicorn_log_level)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -1,9 +1,13 @@
-"""Small config dataclasses. Config flows one way: CLI/kwargs -> config -> parts."""
+"""Configs that are not options: the model's architecture, and what the scheduler is given.
+
+Every option a user can set (and its default) lives in octavo/engine_args.py; config flows one
+way: CLI flags / LLM kwargs -> EngineArgs -> these -> the parts. A neutral module.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,58 +81,12 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """What the scheduler needs; built by EngineArgs.scheduler_config (the defaults live there)."""
 
-
-@dataclass(slots=True)
-class CacheConfig:
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    enable_prefix_caching: bool = True
-    kv_allocator: str = "paged"
-
-    def __post_init__(self) -> None:
-        if self.block_size not in SUPPORTED_BLOCK_SIZES:
-            raise ValueError(
-                f"block_size={self.block_size} is not supported; choose one of "
-                f"{SUPPORTED_BLOCK_SIZES}"
-            )
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
-            )
-        if self.kv_allocator not in ("paged", "contiguous"):
-            raise ValueError(
-                f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}"
-            )
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    model: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_model_len: int | None = None
-    seed: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    preemption_mode: str = "recompute"
-    scheduling_policy: str = "fcfs"
-    # host (CPU) swap space for preemption_mode="swap", in GiB as vLLM's `swap_space`;
-    # None = as many host blocks as device blocks when swapping, else none
-    swap_space: float | None = None
-    gpu_memory_utilization: float = 0.9
-    attention_backend: str = "auto"  # auto | torch | cpu (the compiled CPU decode kernel)
-    linear_backend: str = "auto"  # auto | torch | onednn (pre-packed oneDNN weights on CPU)
-    fused_ops: str = "auto"  # auto | torch | cpu (compiled RMSNorm/RoPE/SiLU-and-mul on CPU)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"dtype={self.dtype!r} is not supported; choose one of {SUPPORTED_DTYPES}"
-            )
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    preemption_mode: str
+    scheduling_policy: str

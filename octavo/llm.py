@@ -9,10 +9,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from octavo.config import CacheConfig, EngineConfig
 from octavo.engine.engine import LLMEngine
-from octavo.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine_args import EngineArgs, from_kwargs
+from octavo.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -24,55 +24,15 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "recompute",
-        scheduling_policy: str = "fcfs",
-        kv_allocator: str = "paged",
-        contiguous_reserve: str = "max_model_len",
-        swap_space: float | None = None,
-        gpu_memory_utilization: float = 0.9,
-        attention_backend: str = "auto",
-        linear_backend: str = "auto",
-        fused_ops: str = "auto",
-        seed: int = 0,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            max_model_len=max_model_len,
-            seed=seed,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            preemption_mode=preemption_mode,
-            scheduling_policy=scheduling_policy,
-            swap_space=swap_space,
-            gpu_memory_utilization=gpu_memory_utilization,
-            attention_backend=attention_backend,
-            linear_backend=linear_backend,
-            fused_ops=fused_ops,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_allocator=kv_allocator,
-            ),
-        )
-        self.engine = LLMEngine(config, contiguous_reserve=contiguous_reserve)
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        """`engine_options`: any field of octavo.engine_args.EngineArgs (vLLM's names:
+        dtype, block_size, max_model_len, max_num_seqs, enable_prefix_caching, ...)."""
+        self.engine = LLMEngine(from_kwargs(model=model, **engine_options))
         self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        return cls(**args.as_dict())
 
     def get_tokenizer(self):
         return self.engine.tokenizer

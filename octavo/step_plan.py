@@ -1,12 +1,30 @@
-"""The contract between the scheduler and the model runner: what one step computes.
+"""The contract between the scheduler and the model runner: what one step computes, and what
+comes back.
 
-Pure Python (no torch): the engine builds it from its sequences and the KV manager's block tables;
-the runner turns it into tensors. The model never sees a request.
+Pure Python (no torch), sequences named only by id. The runner keeps what it knows of each
+sequence between steps (its tokens, block table and sampling settings), so a plan carries only
+what changed: sequences it has not seen, new block ids, the tokens to compute, and which
+sequences to forget. The model never sees a request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from octavo.outputs import PositionLogprobs
+from octavo.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewSeq:
+    """A sequence the runner has not seen: new, forked, or back from preemption."""
+
+    seq_id: int
+    token_ids: list[int]  # every known token: the prompt and any outputs so far
+    num_prompt_tokens: int
+    index: int  # position among its request's n outputs (it picks the seeded draws)
+    params: SamplingParams
+    block_ids: list[int]  # its whole block table
 
 
 @dataclass(slots=True)
@@ -14,17 +32,19 @@ class SeqChunk:
     """New tokens of one sequence computed in this step.
 
     Tokens ``token_ids`` sit at positions ``start_pos .. start_pos + len(token_ids) - 1``; the
-    first ``start_pos`` tokens' K/V are already in the blocks of ``block_table`` (a prefix-cache
-    hit, an earlier chunk of the prompt, or earlier decode steps).
+    first ``start_pos`` tokens' K/V are already in the sequence's blocks (a prefix-cache hit, an
+    earlier chunk of the prompt, or earlier decode steps).
     """
 
+    seq_id: int
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
-    # Logits for the last token of the chunk: the sequence samples after this step.
-    sample: bool = True
-    # Logits for every token of the chunk (prompt logprobs); implies nothing about `sample`.
-    all_logits: bool = False
+    # Sequences that sample their next token from the logits of this chunk's last token: the
+    # sequence itself once it has caught up with its tokens, plus the n - 1 samples forked from
+    # it when its prompt completes; empty while a prompt is still being chunked.
+    sample_seq_ids: tuple[int, ...] = ()
+    # Logprobs of the prompt tokens this chunk predicts (SamplingParams.prompt_logprobs).
+    prompt_logprobs: bool = False
 
     @property
     def context_len(self) -> int:
@@ -33,7 +53,14 @@ class SeqChunk:
 
 @dataclass(slots=True)
 class StepPlan:
-    chunks: list[SeqChunk]
+    chunks: list[SeqChunk] = field(default_factory=list)
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    # (seq_id, start, block ids): the sequence's block table reads these ids from entry `start`
+    # on (appended blocks, or a copy-on-write copy replacing a shared block).
+    block_table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # Sequences to forget before anything else (finished, aborted, preempted); one may come
+    # back in new_seqs of the same plan.
+    finished_seq_ids: list[int] = field(default_factory=list)
     # Copy-on-write copies (src, dst physical block ids), executed before the forward.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Swap traffic: (device block, host block) out, (host block, device block) in; both executed
@@ -45,3 +72,15 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What the runner hands back for a plan, as plain Python values."""
+
+    # seq_id -> tokens sampled for it this step (one, for now)
+    sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> logprobs of each sampled token (only sequences that asked)
+    logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
+    # seq_id -> logprobs of the prompt tokens this step's chunk predicted
+    prompt_logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)

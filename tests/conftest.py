@@ -85,3 +85,11 @@ def default_model_dir() -> Path:
     from octavo.model.loader import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    """The embedded model's tokenizer, loaded once per session (it takes ~2 s)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))

@@ -82,12 +82,12 @@ def test_model_dir_without_config(tmp_path):
 
 
 def test_unsupported_dtype(tiny_llama_dir):
-    with pytest.raises(ValueError, match="dtype='int8' is not supported"):
+    with pytest.raises(ValueError, match="dtype: 'int8' is not one of float32, bfloat16"):
         LLM(model=str(tiny_llama_dir), dtype="int8")
 
 
 def test_unsupported_block_size(tiny_llama_dir):
-    with pytest.raises(ValueError, match="block_size=12 is not supported"):
+    with pytest.raises(ValueError, match="block_size: 12 is not one of 1, 8, 16"):
         LLM(model=str(tiny_llama_dir), block_size=12)
 
 

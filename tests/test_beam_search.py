@@ -8,6 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from octavo import LLM, BeamSearchParams
 from octavo.engine.beam_search import BeamSearchState
+from octavo.model.sampler import compute_logprobs
+from octavo.outputs import Logprob
 
 TEXTS = ["The capital of France is", "def add(a, b):", "My favourite food is",
          "Q: What is 2+2?\nA:", "The weather today"]
@@ -70,14 +72,36 @@ def test_beams_share_blocks_while_running(setup):
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+def top_logprobs(logits: list[list[float]], k: int) -> list[dict[int, Logprob]]:
+    """What the runner hands a beam: its top-k next-token logprobs with ranks."""
+    return compute_logprobs(torch.tensor(logits), [0] * len(logits), k)
+
+
 def test_selection_rules_unit():
     params = BeamSearchParams(beam_width=2, max_tokens=3)
     state = BeamSearchState(params, eos_token_id=0)
-    lp = torch.log_softmax(torch.tensor([[0.0, 3.0, 2.0, -5.0]]), dim=-1)
-    sel = state.step(lp, [[]])
+    sel = state.step(top_logprobs([[0.0, 3.0, 2.0, -5.0]], 4), [[]])
     assert [(s.parent, s.token_id) for s in sel] == [(0, 1), (0, 2)]
     # beam 1 (token 2) now prefers EOS strongly: a finished hypothesis of rank < width
-    lp = torch.log_softmax(torch.tensor([[0.0, 1.0, 1.0, 1.0], [9.0, -9.0, -9.0, -9.0]]), dim=-1)
-    sel = state.step(lp, [[1], [2]])
+    sel = state.step(top_logprobs([[0.0, 1.0, 1.0, 1.0], [9.0, -9.0, -9.0, -9.0]], 4),
+                     [[1], [2]])
     assert state.finished and state.finished[0].token_ids == [2, 0]
     assert all(s.token_id != 0 for s in sel)
+
+
+def test_top_2k_per_beam_equals_a_search_over_the_whole_vocabulary():
+    """Each beam only hands over its top 2k tokens: the pick is the same as over every token
+    of every beam (the float32 scores transformers uses), checked against a brute force."""
+    gen = torch.Generator().manual_seed(0)
+    k, vocab = 3, 50
+    state = BeamSearchState(BeamSearchParams(beam_width=k, max_tokens=10), eos_token_id=None)
+    outputs: list[list[int]] = [[]]
+    for _ in range(5):
+        logits = torch.randn(len(outputs), vocab, generator=gen) * 3
+        scores = torch.tensor(state.running_scores, dtype=torch.float32)
+        flat = (logits.log_softmax(-1) + scores[:, None]).reshape(-1)
+        want = [divmod(i, vocab) for i in flat.topk(k).indices.tolist()]
+        sel = state.step(top_logprobs(logits.tolist(), 2 * k), outputs)
+        assert [(s.parent, s.token_id) for s in sel] == want
+        assert [s.cum_logprob for s in sel] == flat.topk(k).values.tolist()
+        outputs = [outputs[s.parent] + [s.token_id] for s in sel]

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from octavo.chat import run_chat
-from octavo.cli import build_parser, main
+from octavo.cli import build_parser, cmd_chat, main
 
 
 def test_generate_prints_completions(tiny_llama_dir, capsys):
@@ -35,7 +34,7 @@ def test_chat_streams_keeps_history_and_resets(tiny_llama_dir, capsys, monkeypat
         return real(self, conversation, *a, **k)
 
     monkeypatch.setattr(LLM, "apply_chat_template", spy)
-    assert run_chat(args, read=lambda _: next(lines)) == 0
+    assert cmd_chat(args, read=lambda _: next(lines)) == 0
     out = capsys.readouterr().out
     assert out.count("assistant> ") == 3
     # user, user+assistant+user, then after /reset only the new user message

@@ -11,9 +11,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
+from octavo.engine_args import EngineArgs
 from octavo.model.runner import ModelRunner
-from octavo.step_plan import SeqChunk, StepPlan
+from octavo.step_plan import StepPlan
 from tests.engine.conftest import hf_greedy
+from tests.model.plans import chunk, new_seq
 
 MAX_TOKENS = 32
 TEXTS = [
@@ -72,14 +74,13 @@ def test_greedy_matches_transformers(default_model_dir, prompts, hf_tokens, bloc
 
 def test_last_position_logits_match(default_model_dir, prompts, hf_model):
     config = ModelConfig.from_dir(default_model_dir)
-    runner = ModelRunner(
-        default_model_dir, config, dtype=torch.float32, device=torch.device("cpu"),
-        num_blocks=128, block_size=16, max_model_len=2048,
-    )
+    runner = ModelRunner(EngineArgs(block_size=16, max_model_len=2048), default_model_dir, config)
+    runner.init_kv_cache(128)
     worst = 0.0
-    for p in prompts[::2]:
+    for i, p in enumerate(prompts[::2]):
         table = list(range(-(-len(p) // 16)))[::-1]  # reversed: physical order is irrelevant
-        ours = runner.execute(StepPlan([SeqChunk(p, 0, table)])).logits[0]
+        plan = StepPlan([chunk(i, p, 0)], [new_seq(i, p, table)], finished_seq_ids=[i - 1])
+        ours = runner.forward(plan).sample[0]
         with torch.no_grad():
             ref = hf_model(torch.tensor([p])).logits[0, -1]
         worst = max(worst, (ours - ref).abs().max().item())

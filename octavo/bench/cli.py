@@ -15,7 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from octavo import engine_args
 from octavo.bench.options import BenchOptions
+
+# engine options the benchmarks set themselves (or take from their own flags)
+BENCH_OWNED = ("model", "dtype", "seed", "kv_allocator", "contiguous_reserve")
 
 BENCHMARKS = {
     "waste": "octavo.bench.waste",
@@ -24,6 +28,7 @@ BENCHMARKS = {
     "serving": "octavo.bench.serving",
     "prefix": "octavo.bench.prefix",
     "sharing": "octavo.bench.sharing",
+    "paging": "octavo.bench.paging_overhead",
 }
 
 
@@ -48,6 +53,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="also measure this peer engine (throughput)")
     p.add_argument("--peer-python", default=None,
                    help="interpreter of the peer's separate venv, e.g. /tmp/vllm-venv/bin/python")
+    g = p.add_argument_group(
+        "engine overrides", "applied to every octavo engine a benchmark builds, over the "
+        "benchmark's own settings (model, dtype and seed are the flags above; the allocators "
+        "are what the benchmarks compare)")
+    engine_args.add_cli_args(g, exclude=BENCH_OWNED, overrides_only=True)
 
 
 def options(args: argparse.Namespace, argv: list[str]) -> BenchOptions:
@@ -57,7 +67,8 @@ def options(args: argparse.Namespace, argv: list[str]) -> BenchOptions:
     return BenchOptions(quick=args.quick, out=Path(args.out), seed=args.seed,
                         repeats=args.repeats, model=args.model, dtypes=dtypes,
                         num_requests=args.num_requests, peer=args.peer,
-                        peer_python=args.peer_python, threads=args.threads, command=command)
+                        peer_python=args.peer_python, threads=args.threads, command=command,
+                        engine_overrides=engine_args.cli_overrides(args, BENCH_OWNED))
 
 
 def run_one(name: str, opts: BenchOptions, replot: bool = False) -> None:

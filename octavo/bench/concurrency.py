@@ -52,8 +52,8 @@ def engine_runs(opts: BenchOptions) -> list[dict]:
     kv_bytes = ENGINE_KV_TOKENS * kv_bytes_per_token(opts.model, dtype)
     rows = []
     for kind in ALLOCATORS:
-        llm = make_llm(opts.model, dtype=dtype, allocator=kind, kv_cache_memory_bytes=kv_bytes,
-                       max_model_len=ENGINE_MAX_MODEL_LEN)
+        llm = make_llm(opts.model, overrides=opts.engine_overrides, dtype=dtype, allocator=kind,
+                       kv_cache_memory_bytes=kv_bytes, max_model_len=ENGINE_MAX_MODEL_LEN)
         run = run_workload(llm, wl, sample=lambda s: {
             "running": s["num_requests_running"], "waiting": s["num_requests_waiting"]})
         loaded = [s["running"] for s in run.samples if s["waiting"] > 0]

@@ -13,18 +13,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from octavo.bench.workloads import Workload
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 from octavo.llm import LLM
+from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 
 def make_llm(model: str | None, *, dtype: str = "float32", allocator: str = "paged",
-             block_size: int = 16, **kwargs: Any) -> LLM:
-    """allocator: paged | contiguous-max | contiguous-request."""
+             block_size: int = 16, overrides: dict[str, Any] | None = None,
+             **kwargs: Any) -> LLM:
+    """allocator: paged | contiguous-max | contiguous-request. `overrides` (engine options from
+    the command line, BenchOptions.engine_overrides) win over everything else."""
     kv_allocator = "paged" if allocator == "paged" else "contiguous"
     reserve = "request" if allocator == "contiguous-request" else "max_model_len"
     kwargs.setdefault("enable_prefix_caching", False)
-    return LLM(model, dtype=dtype, block_size=block_size, kv_allocator=kv_allocator,
-               contiguous_reserve=reserve, **kwargs)
+    options = dict(dtype=dtype, block_size=block_size, kv_allocator=kv_allocator,
+                   contiguous_reserve=reserve, **kwargs)
+    return LLM(model, **{**options, **(overrides or {})})
 
 
 def greedy_params(output_len: int, n: int = 1, seed: int | None = None) -> SamplingParams:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -19,6 +20,8 @@ class BenchOptions:
     peer_python: str | None = None
     threads: int = 1  # torch threads here and in the server / peer subprocesses
     command: str = ""  # the command line, recorded next to every result
+    # engine options given on the command line, over each benchmark's own (EngineArgs names)
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
 
     def pick(self, quick: int, full: int) -> int:
         return quick if self.quick else full

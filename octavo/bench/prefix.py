@@ -32,8 +32,9 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     t0 = time.perf_counter()
     repeats = opts.reps(1, 3)
     dtype = opts.dtypes[0]
-    llms = {on: make_llm(opts.model, dtype=dtype, enable_prefix_caching=on,
-                         max_model_len=512 if opts.model else 2048) for on in (False, True)}
+    llms = {on: make_llm(opts.model, overrides=opts.engine_overrides, dtype=dtype,
+                         enable_prefix_caching=on, max_model_len=512 if opts.model else 2048)
+            for on in (False, True)}
     warm = trace(opts, 10_000).capped(2)
     for llm in llms.values():
         run_workload(llm, workloads.Workload("warm", warm.requests[:2], 2048), tag="w")

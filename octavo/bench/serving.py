@@ -26,6 +26,7 @@ from octavo.bench.common import BenchResult, PlotFn, free_port, md_table
 from octavo.bench.concurrency import kv_bytes_per_token
 from octavo.bench.loadgen import run_load
 from octavo.bench.options import BenchOptions
+from octavo.engine_args import to_cli_flags
 
 MAX_MODEL_LEN = 512
 KV_TOKENS = 4096
@@ -47,6 +48,7 @@ class ServerProcess:
                "--served-model-name", "bench"]
         if opts.model:
             cmd += ["--model", opts.model]
+        cmd += to_cli_flags(opts.engine_overrides)
         self.log = log
         self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

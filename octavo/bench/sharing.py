@@ -44,7 +44,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     t0 = time.perf_counter()
     widths = (2,) if opts.quick else (2, 4, 6)
     dtype = opts.dtypes[0]
-    llm = make_llm(opts.model, dtype=dtype, max_model_len=512 if opts.model else 2048)
+    llm = make_llm(opts.model, overrides=opts.engine_overrides, dtype=dtype,
+                   max_model_len=512 if opts.model else 2048)
     rows = []
     for wl in traces(opts):
         for mode in ("parallel", "beam"):

@@ -1,11 +1,12 @@
 """A model-free scheduler that replays a trace through a KV allocator, one decode step at a time.
 
-It isolates what the allocator decides: which requests fit at once. Admission is FCFS while the
-allocator can_allocate (head-of-line blocking, as in the engine); every running sequence takes
-one slot per step for the token it produced last; a sequence frees everything when it finishes.
-The paged allocator reserves nothing ahead, so it can run out of blocks mid-decode: then, as the
-engine does, the last-admitted sequence is preempted and recomputed later (its tokens so far
-become its prompt). A 1% free-block watermark at admission keeps that rare, like vLLM's.
+It isolates what the allocator decides: which requests fit at once. Admission is FCFS while
+the allocator gives the head its slots (head-of-line blocking, as in the engine); every running
+sequence takes one slot per step for the token it produced last; a sequence frees everything
+when it finishes. The paged allocator reserves nothing ahead, so it can run out of blocks
+mid-decode: then, as the engine does, the last-admitted sequence is preempted and recomputed
+later (its tokens so far become its prompt). A 1% free-block watermark at admission keeps that
+rare, like vLLM's.
 
 The allocators are octavo's own (KVCacheManager, ContiguousAllocator), so the waste numbers are
 the same accounting the engine reports in stats(); only the model is missing.
@@ -18,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from octavo.bench.workloads import Workload, poisson_arrivals
-from octavo.paging import ContiguousAllocator, KVCacheManager, WasteTracker
+from octavo.paging import ContiguousAllocator, KVCacheManager, KVSeq, WasteTracker
 from octavo.paging.waste import SLOT_KEYS
 
 ALLOCATORS = ("contiguous-max", "contiguous-request", "paged")
@@ -41,6 +42,7 @@ class _Seq:
     prompt_len: int
     output_len: int
     generated: int = 0
+    kv: KVSeq | None = None  # its tokens as the allocator sees them, while it runs
 
 
 @dataclass
@@ -103,29 +105,30 @@ def simulate(
         i = 0
         while i < len(running):
             seq = running[i]
-            while not kv.can_append_slots(seq.index, 1):
+            assert seq.kv is not None
+            seq.kv.append_token(0)  # the token it produced last step (ids do not matter here)
+            while kv.allocate_slots(seq.kv, 1) is None:
                 victim = running.pop()
                 kv.free(victim.index)
+                victim.kv = None
                 bisect.insort(waiting, victim, key=lambda s: s.index)
                 preemptions += 1
                 if victim is seq:
                     break
             else:
-                kv.append_slots(seq.index, range(seq.prompt_len + seq.generated), 1)
                 seq.generated += 1
                 i += 1
         # admit FCFS while the head fits
         while waiting and len(running) < max_num_seqs:
             seq = waiting[0]
             known = seq.prompt_len + seq.generated  # a recomputed sequence re-prefills all
-            tokens = range(known)
-            reserve = seq.prompt_len + seq.output_len
-            if not kv.can_allocate(tokens, known, reserve_tokens=reserve):
-                break
             if paged and kv.num_free_blocks() - -(-known // bs) < wm_blocks and running:
                 break
-            kv.allocate(seq.index, tokens, known, reserve_tokens=reserve,
-                        final_tokens=seq.prompt_len + seq.output_len - 1)
+            tokens = KVSeq(seq.index, range(known))
+            if kv.allocate_slots(tokens, known, reserve_tokens=seq.prompt_len + seq.output_len,
+                                 final_tokens=seq.prompt_len + seq.output_len - 1) is None:
+                break
+            seq.kv = tokens
             waiting.pop(0)
             running.append(seq)
             seq.generated += 1

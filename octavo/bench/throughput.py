@@ -50,7 +50,8 @@ class OctavoEngine:
     def __init__(self, opts: BenchOptions, dtype: str, allocator: str, block_size: int = 16):
         kv = KV_TOKENS * kv_bytes_per_token(opts.model, dtype)
         max_len = 512 if opts.model else MAX_MODEL_LEN
-        self.llm = make_llm(opts.model, dtype=dtype, allocator=allocator, block_size=block_size,
+        self.llm = make_llm(opts.model, overrides=opts.engine_overrides, dtype=dtype,
+                            allocator=allocator, block_size=block_size,
                             kv_cache_memory_bytes=kv, max_model_len=max_len)
         self.runs = 0
 
@@ -120,12 +121,12 @@ def floor_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload]) ->
     from octavo.bench.roofline import floor_seconds
     from octavo.config import ModelConfig
     from octavo.model.loader import resolve_model_dir
-    from octavo.model.runner import resolve_dtype
+    from octavo.model.runner import DTYPES
 
     cfg = ModelConfig.from_dir(resolve_model_dir(opts.model))
     rows = []
     for wl in wls:
-        f = floor_seconds(cfg, wl, resolve_dtype(dtype))
+        f = floor_seconds(cfg, wl, DTYPES[dtype])
         rows.append({"dtype": dtype, "workload": wl.name, "engine": FLOOR, "times_s": [],
                      "median_s": f["floor_s"], "output_tok_s": wl.output_tokens / f["floor_s"],
                      "req_s": len(wl) / f["floor_s"], "gemm": f})

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from octavo.engine.engine import LLMEngine
-from octavo.engine.outputs import RequestOutput
-from octavo.engine.sampling_params import SamplingParams
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,86 +1,47 @@
-"""Sizing the KV cache and choosing its allocator from the engine config.
+"""From the runner's block count to the engine's limits: max_model_len and the KV allocator.
 
-The number of blocks comes from `num_kv_blocks`, or `kv_cache_memory_bytes`, or a default
-(1 GiB on CPU, `gpu_memory_utilization` of free memory on CUDA); `max_model_len` defaults to
-what fits, and an explicit one that does not fit is an error rather than a later hang.
+`max_model_len` defaults to what both the model and the KV cache allow; an explicit one that
+the cache cannot hold is an error at start-up rather than a request that never fits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
-from octavo.config import CacheConfig, EngineConfig, ModelConfig
-from octavo.model.kv_cache import KVCache
+from octavo.config import ModelConfig
+from octavo.engine_args import EngineArgs
+from octavo.paging.allocator import KVAllocator
 from octavo.paging.contiguous import ContiguousAllocator
 from octavo.paging.kv_manager import KVCacheManager
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32
 
-
-@dataclass(slots=True)
-class KVSizing:
-    num_blocks: int
-    num_host_blocks: int
-    max_model_len: int
-
-
-def size_kv_cache(
-    config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> KVSizing:
-    cache = config.cache
-    block_bytes = KVCache.bytes_per_block(model, cache.block_size, dtype)
-    if cache.num_kv_blocks is not None:
-        num_blocks = cache.num_kv_blocks
-    else:
-        budget = cache.kv_cache_memory_bytes
-        if budget is None:
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * config.gpu_memory_utilization)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = budget // block_bytes
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes={budget} is smaller than one KV block "
-                f"({block_bytes} bytes at block_size={cache.block_size})"
-            )
-    capacity = num_blocks * cache.block_size
-    model_limit = model.max_position_embeddings
-    if config.max_model_len is None:
-        max_model_len = min(model_limit, capacity)
-    else:
-        max_model_len = config.max_model_len
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        if max_model_len > model_limit:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-                f"({model_limit})"
-            )
-        if max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len={max_model_len} tokens do not fit in the KV cache "
-                f"({num_blocks} blocks x {cache.block_size} = {capacity} tokens); "
-                "raise kv_cache_memory_bytes / num_kv_blocks or lower max_model_len"
-            )
-    if config.swap_space is not None:
-        num_host = int(config.swap_space * (1 << 30)) // block_bytes
-    else:
-        num_host = num_blocks if config.preemption_mode == "swap" else 0
-    return KVSizing(num_blocks, num_host, max_model_len)
-
-
-def make_kv_manager(cache: CacheConfig, sizing: KVSizing, reserve: str = "max_model_len"):
-    if cache.kv_allocator == "contiguous":
-        return ContiguousAllocator(
-            sizing.num_blocks, cache.block_size, max_model_len=sizing.max_model_len,
-            reserve=reserve,
+def check_max_model_len(args: EngineArgs, model: ModelConfig) -> None:
+    """What can be checked before the weights load."""
+    limit = model.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings "
+            f"({limit})"
         )
-    return KVCacheManager(
-        sizing.num_blocks, cache.block_size,
-        enable_prefix_caching=cache.enable_prefix_caching,
-        num_cpu_blocks=sizing.num_host_blocks,
-    )
+
+
+def resolve_max_model_len(args: EngineArgs, model: ModelConfig, num_blocks: int) -> int:
+    check_max_model_len(args, model)
+    capacity = num_blocks * args.block_size
+    if args.max_model_len is None:
+        return min(model.max_position_embeddings, capacity)
+    if args.max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} tokens do not fit in the KV cache "
+            f"({num_blocks} blocks x {args.block_size} = {capacity} tokens); "
+            "raise kv_cache_memory_bytes / num_kv_blocks or lower max_model_len"
+        )
+    return args.max_model_len
+
+
+def make_kv_manager(args: EngineArgs, num_blocks: int, num_host_blocks: int,
+                    max_model_len: int) -> KVAllocator:
+    if args.kv_allocator == "contiguous":
+        return ContiguousAllocator(num_blocks, args.block_size, max_model_len=max_model_len,
+                                   reserve=args.contiguous_reserve)
+    return KVCacheManager(num_blocks, args.block_size,
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          num_cpu_blocks=num_host_blocks)

@@ -1,9 +1,10 @@
-"""Request and sequence state.
+"""Request and sequence state, and what one step changed about them.
 
 A request holds one sequence while its prompt is computed; with ``n > 1`` it forks into ``n``
 sequences that share the prompt's blocks (copy-on-write). A sequence's progress is one number,
-``num_computed_tokens``, catching up with ``len(token_ids)``: that single mechanism covers
-prefill, chunked prefill, prefix-cache hits, decode and recompute after preemption.
+``num_computed_tokens`` (see paging/kv_seq.py), catching up with ``len(token_ids)``: that
+single mechanism covers prefill, chunked prefill, prefix-cache hits, decode and recompute after
+preemption. The scheduler owns this state; the output processor reads it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,22 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-from octavo.engine.sampling_params import SamplingParams
+from octavo.outputs import PositionLogprobs
+from octavo.paging.block_hash import BlockHasher
+from octavo.paging.kv_seq import KVSeq
+from octavo.sampling_params import BeamSearchParams, SamplingParams
+
+
+class BeamState(Protocol):
+    """What a request needs of its beam search (engine/beam_search.py: BeamSearchState)."""
+
+    params: BeamSearchParams
+    eos_token_id: int | None
+    done: bool
+    pending: dict[int, PositionLogprobs]  # seq_id -> logprobs of this step, until all have them
+    finished: list  # BeamHypothesis, best first
 
 
 class RequestStatus(enum.Enum):
@@ -27,26 +41,32 @@ class RequestStatus(enum.Enum):
 _seq_ids = itertools.count()
 
 
-@dataclass(eq=False)
-class Sequence:
-    request: Request
-    token_ids: list[int]
-    num_prompt_tokens: int
-    index: int = 0  # position among the request's n outputs
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
-    num_computed_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cumulative_logprob: float = 0.0
-    logprobs: list[Any] | None = None  # per generated token, when asked
-    detokenizer: Any = None
-    output_text: str = ""
-    # beam search: this beam's next-token log-probs, kept until every live beam has them
-    pending_logprobs: Any = None
+class Sequence(KVSeq):
+    __slots__ = ("request", "num_prompt_tokens", "index", "finish_reason", "stop_reason",
+                 "in_runner")
 
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+    def __init__(self, request: Request, token_ids: list[int], num_prompt_tokens: int, *,
+                 index: int = 0, block_hashes: list[bytes] | None = None,
+                 num_computed_tokens: int = 0) -> None:
+        super().__init__(next(_seq_ids), token_ids, hasher=request.hasher,
+                         extra_key=request.cache_salt, block_hashes=block_hashes,
+                         num_computed_tokens=num_computed_tokens)
+        self.request = request
+        self.num_prompt_tokens = num_prompt_tokens
+        self.index = index  # position among the request's n outputs (or beams)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # whether the runner holds this sequence's state (it drops it when the sequence is
+        # freed, preempted or swapped out, and is sent it again when it is scheduled again)
+        self.in_runner = False
+
+    def fork(self, index: int | None = None) -> Sequence:
+        """A new sequence with this one's tokens, block hashes and computed tokens; the KV
+        manager's fork gives it the blocks."""
+        return Sequence(self.request, list(self.token_ids), self.num_prompt_tokens,
+                        index=self.index if index is None else index,
+                        block_hashes=list(self.block_hashes),
+                        num_computed_tokens=self.num_computed_tokens)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -72,9 +92,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     seqs: list[Sequence] = field(default_factory=list)
-    prompt_logprobs: list[Any] | None = None
     cache_salt: str | None = None
-    beam: Any = None  # BeamSearchState for beam-search requests
+    eos_token_id: int | None = None
+    beam: BeamState | None = None
+    hasher: BlockHasher | None = None  # names full blocks for the prefix cache
     # metrics
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -110,3 +131,24 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """Tokens a sequence gained in one step (the scheduler already checked EOS, stop token ids
+    and length; a sequence they finished is freed)."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step changed about a request, for the output processor."""
+
+    request: Request
+    seqs: list[SeqUpdate] = field(default_factory=list)
+    # (start position of the chunk, logprobs of the prompt tokens it predicted)
+    prompt_logprobs: tuple[int, list[PositionLogprobs]] | None = None
+    beam_step: bool = False  # its beams advanced by one token

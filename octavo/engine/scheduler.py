@@ -1,67 +1,36 @@
 """Iteration-level (continuous-batching) scheduler with chunked prefill and preemption.
 
+Two calls a step, around the runner: `schedule()` builds the StepPlan, `update_from_output()`
+takes what the runner sampled and moves the sequences on.
+
 Every step builds one batch under a token budget (``max_num_batched_tokens``) and a sequence cap
-(``max_num_seqs``): running requests first (their decode tokens, or the next chunk of a prompt),
-then requests swapped out earlier, then waiting prompts, a long prompt split over several steps.
-When blocks run out, the lowest-ranked running request (last arrived, or lowest priority under
-the priority policy) is preempted: its blocks are freed and it is recomputed later (cached prefix
-blocks make that cheap), or its blocks are swapped out to the host pool and back in later.
+(``max_num_seqs``): running requests first, in rank order (their decode tokens, or the next
+chunk of a prompt), then requests swapped out earlier, then waiting prompts, a long prompt split
+over several steps. When blocks run out, the lowest-ranked running request (last arrived, or
+lowest priority under the priority policy) is preempted: its blocks are freed and it is
+recomputed later (cached prefix blocks make that cheap), or its blocks are swapped out to the
+host pool and back in later. Under the priority policy a waiting request that outranks running
+ones is admitted before them, preempting the lowest-ranked until it fits.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+import logging
+import time
 
-from octavo.engine.request import Request, RequestStatus, Sequence
-from octavo.paging.allocator import KVAllocator
+from octavo.config import SchedulerConfig
+from octavo.engine import beam_search
+from octavo.engine.parallel_sampling import fan_out, needs_fan_out
+from octavo.engine.request import Request, RequestStatus, RequestUpdate, Sequence, SeqUpdate
+from octavo.engine.stop_checker import check_token_stop
+from octavo.paging.allocator import KVAllocator, NewBlocks
+from octavo.step_plan import NewSeq, RunnerOutput, SeqChunk, StepPlan
 
+logger = logging.getLogger(__name__)
 
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    preemption_mode: str = "recompute"
-    scheduling_policy: str = "fcfs"
-
-    def __post_init__(self) -> None:
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(
-                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
-            )
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
-            )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    start_pos: int
-    num_new_tokens: int
-    sample: bool  # the sequence catches up with its tokens: sample the next one
-    prompt_logits: bool  # logits for every token (prompt logprobs)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+# (sequence, first token, number of tokens, what allocate_slots changed)
+Slot = tuple[Sequence, int, int, NewBlocks]
 
 
 class Scheduler:
@@ -71,11 +40,16 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self.seqs: dict[int, Sequence] = {}  # every live sequence, by id
         self.num_preemptions = 0
-        # requests that can never fit the KV cache, finished by the scheduler; the engine
-        # reports them (finish_reason "length") and empties this list
-        self.ignored: list[Request] = []
         self.peak_running_seqs = 0
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self._dropped: list[int] = []  # sequences the runner must forget at the next step
+        self._swap_out: list[tuple[int, int]] = []  # this step's preemptions by swapping
+        # requests that can never fit the KV cache, finished by schedule() and reported by the
+        # next update_from_output (finish_reason "length")
+        self._ignored: list[Request] = []
         if config.scheduling_policy == "priority":
             self._key = lambda r: r.sort_key
         else:
@@ -84,30 +58,26 @@ class Scheduler:
     # ---- queues ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        for seq in request.seqs:
+            self.seqs[seq.seq_id] = seq
         bisect.insort(self.waiting, request, key=self._key)
 
-    def remove_request(self, request: Request) -> None:
-        """Take a request out of whatever queue holds it and free all its blocks (abort)."""
+    def abort_request(self, request: Request) -> None:
+        """Take a request out of whatever queue holds it and free all its blocks at once."""
         for queue in (self.waiting, self.running, self.swapped):
             if request in queue:
                 queue.remove(request)
         for seq in request.seqs:
-            self.kv.free(seq.seq_id)
-
-    def finish_seq(self, seq: Sequence) -> None:
-        self.kv.free(seq.seq_id)
-        request = seq.request
-        if request.is_finished and request in self.running:
-            self.running.remove(request)
-            request.status = RequestStatus.FINISHED
-
-    def finish_request(self, request: Request) -> None:
-        """Free every sequence of a request that ended as a whole (beam search)."""
-        for seq in request.seqs:
-            self.kv.free(seq.seq_id)
-        if request in self.running:
-            self.running.remove(request)
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+            self._release(seq)
         request.status = RequestStatus.FINISHED
+
+    def finish_seqs(self, seqs: list[Sequence]) -> None:
+        """Free sequences finished outside the scheduler (stop strings, found by the output
+        processor after detokenizing)."""
+        for seq in seqs:
+            self._finish_seq(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -125,224 +95,336 @@ class Scheduler:
     def _num_seq_slots(self) -> int:
         return sum(self._seq_slots(r) for r in self.running)
 
-    # ---- one step -------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    # ---- schedule -------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
         budget = self.config.max_num_batched_tokens
-        if self.config.scheduling_policy == "priority":
-            self._preempt_for_priority(out, budget)
-        priority_preemptions = len(out.preempted)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            plan = self._chunk_plan(request, budget)
-            while not self._fits(plan):
-                if self.running[-1] is not request:
-                    self._preempt(self.running[-1], out)
-                    continue
-                # Nothing ranks below it. Its sequences (n samples, beams) need not all advance
-                # together: run those that fit, the others wait for blocks. Only when not even
-                # one fits is it preempted; alone, by recompute, which re-admits one sequence
-                # at a time, so it always makes progress.
-                plan = self._fitting_prefix(plan)
-                if not plan:
-                    self._preempt(request, out, recompute=len(self.running) == 1)
+        preempted_before = self.num_preemptions
+        priority = self.config.scheduling_policy == "priority"
+        priority_preemptions = 0
+        for request in list(self.running):  # rank order; preemption takes from the tail
+            if budget <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                break  # it was the last running request and preempted itself
-            budget -= self._commit(request, plan, out)
-            i += 1
+            if priority and request.status is RequestStatus.RUNNING:
+                budget, n = self._admit_outranking(request, plan, budget)
+                priority_preemptions += n
+            if request.status is RequestStatus.RUNNING:
+                budget = self._schedule_running(request, plan, budget)
 
         # After running requests had to give up blocks this step, nothing new starts: it would
         # only be preempted again. Swapped requests come back before waiting ones that rank
         # after them.
-        memory_preempted = len(out.preempted) > priority_preemptions
+        memory_preempted = self.num_preemptions - preempted_before > priority_preemptions
         if not memory_preempted:
-            budget = self._swap_in(out, budget)
+            budget = self._swap_in(plan, budget)
         if not memory_preempted and (
             not self.swapped
             or (self.waiting and self._key(self.waiting[0]) < self._key(self.swapped[0]))
         ):
-            self._admit_waiting(out, budget)
-        out.block_copies = self.kv.take_block_copies()
+            self._admit_waiting(plan, budget)
+        plan.block_copies = self.kv.take_block_copies()
+        plan.swap_out, self._swap_out = self._swap_out, []
+        plan.finished_seq_ids, self._dropped = self._dropped, []
         self.peak_running_seqs = max(self.peak_running_seqs, self.num_running_seqs)
-        return out
+        return plan
 
-    def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
-        """Under the priority policy a waiting request that outranks running ones takes their
-        place: the lowest-ranked running requests are preempted (before anything is scheduled
-        this step) until it fits."""
-        while self.waiting and self.running:
-            head, tail = self.waiting[0], self.running[-1]
-            if self._key(tail) <= self._key(head) or self._can_admit(head, budget):
-                return
-            self._preempt(tail, out)
-
-    def _can_admit(self, request: Request, budget: int) -> bool:
-        if self._num_seq_slots() + self._seq_slots(request) > self.config.max_num_seqs:
-            return False
-        seq = request.live_seqs[0]
-        use_cache = request.params.prompt_logprobs is None
-        cached = self.kv.find_cached_prefix(seq.token_ids, request.cache_salt) if use_cache else 0
-        n = min(len(seq.token_ids) - cached, budget)
-        return self.kv.can_allocate(
-            seq.token_ids, n, request.cache_salt,
-            reserve_tokens=request.num_prompt_tokens + self._max_tokens(request),
-            use_prefix_cache=use_cache,
-        )
-
-    def _chunk_plan(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
-        plan = []
+    def _schedule_running(self, request: Request, plan: StepPlan, budget: int) -> int:
+        slots: list[Slot] = []
         for seq in request.live_seqs:
-            n = min(seq.num_new_tokens, budget)
-            if n > 0:
-                plan.append((seq, n))
-                budget -= n
-        return plan
-
-    def _fitting_prefix(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        free = self.kv.num_free_blocks()
-        for i, (seq, n) in enumerate(plan):
-            free -= self.kv.num_blocks_needed(seq.seq_id, n)
-            if free < 0:
-                return plan[:i]
-        return plan
-
-    def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
-        need = sum(self.kv.num_blocks_needed(seq.seq_id, n) for seq, n in plan)
-        return need <= self.kv.num_free_blocks()
-
-    def _commit(self, request: Request, plan, out: SchedulerOutput) -> int:
-        for seq, n in plan:
+            n = min(seq.num_new_tokens, budget - sum(s[2] for s in slots))
+            if n <= 0:
+                continue
             start = seq.num_computed_tokens
-            self.kv.append_slots(seq.seq_id, seq.token_ids, n)
-            out.scheduled.append(self._scheduled(request, seq, start, n))
-        return sum(n for _, n in plan)
+            new = self.kv.allocate_slots(seq, n)
+            while new is None and self.running[-1] is not request:
+                self._preempt(self.running[-1])
+                new = self.kv.allocate_slots(seq, n)
+            if new is None:
+                # Nothing ranks below it. Its sequences (n samples, beams) need not all advance
+                # together: those that got blocks run, the others wait for blocks. Only when not
+                # even one fits is it preempted; alone, by recompute, which re-admits one
+                # sequence at a time, so it always makes progress.
+                if not slots:
+                    self._preempt(request, recompute=len(self.running) == 1)
+                break
+            slots.append((seq, start, n, new))
+        for slot in slots:
+            self._emit(request, *slot, plan)
+        return budget - sum(s[2] for s in slots)
 
-    @staticmethod
-    def _scheduled(request: Request, seq: Sequence, start: int, n: int) -> ScheduledSeq:
-        wants_prompt_logprobs = (
-            request.params.prompt_logprobs is not None
-            and start < seq.num_prompt_tokens
-            and seq.index == 0
-            and (request.prompt_logprobs is None
-                 or len(request.prompt_logprobs) < seq.num_prompt_tokens)
-        )
-        return ScheduledSeq(
-            seq=seq,
-            start_pos=start,
-            num_new_tokens=n,
-            sample=start + n == len(seq.token_ids),
-            prompt_logits=wants_prompt_logprobs,
-        )
+    def _admit_outranking(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, int]:
+        """Priority policy: before `request` is scheduled, admit the waiting requests that
+        outrank it, preempting the lowest-ranked running requests while one does not fit.
+        Returns the budget left and the number of preemptions."""
+        preempted = 0
+        while self.waiting and budget > 0 and self._key(self.waiting[0]) < self._key(request):
+            head = self.waiting[0]
+            left = self._admit(head, plan, budget)
+            if left is not None:
+                budget = left
+                continue
+            tail = self.running[-1]
+            if self._key(tail) <= self._key(head):
+                break
+            self._preempt(tail)
+            preempted += 1
+            if tail is request:
+                break
+        return budget, preempted
 
-    def _give_up(self, request: Request) -> None:
-        """Finish a request that cannot fit the KV cache even alone; the engine reports it."""
-        if request in self.running:
-            self.running.remove(request)
-        for seq in request.seqs:
-            self.kv.free(seq.seq_id)
-        request.status = RequestStatus.FINISHED
-        self.ignored.append(request)
-
-    def _preempt(self, victim: Request, out: SchedulerOutput, recompute: bool = False) -> None:
-        self.running.remove(victim)
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(victim)
-        seq_ids = [s.seq_id for s in victim.live_seqs]
-        swap = self.config.preemption_mode == "swap" and not recompute
-        if swap and self.kv.can_swap_out(seq_ids):
-            out.swap_out.extend(self.kv.swap_out(seq_ids))
-            victim.status = RequestStatus.SWAPPED
-            bisect.insort(self.swapped, victim, key=self._key)
-            return
-        for seq in victim.live_seqs:
-            self.kv.free(seq.seq_id)
-            seq.num_computed_tokens = 0
-        victim.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, victim, key=self._key)
-
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+    def _swap_in(self, plan: StepPlan, budget: int) -> int:
         while self.swapped and budget > 0:
             request = self.swapped[0]
-            seqs = request.live_seqs
             if self._num_seq_slots() + self._seq_slots(request) > self.config.max_num_seqs:
                 break
-            seq_ids = [s.seq_id for s in seqs]
-            if not self.kv.can_swap_in(seq_ids):
+            seqs = request.live_seqs
+            copies = self.kv.swap_in([s.seq_id for s in seqs])
+            if copies is None:
                 break
             self.swapped.pop(0)
-            out.swap_in.extend(self.kv.swap_in(seq_ids))
+            plan.swap_in.extend(copies)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._key)
-            plan = self._chunk_plan(request, budget)
-            if self._fits(plan):
-                budget -= self._commit(request, plan, out)
+            for seq in seqs:  # back on the device, under new block ids
+                self._sync_runner(seq, None, plan)
+            slots: list[Slot] = []
+            for seq in seqs:
+                n = min(seq.num_new_tokens, budget)
+                start = seq.num_computed_tokens
+                if n <= 0 or (new := self.kv.allocate_slots(seq, n)) is None:
+                    break
+                slots.append((seq, start, n, new))
+                budget -= n
+            for slot in slots:
+                self._emit(request, *slot, plan)
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            seqs = request.live_seqs
-            max_seqs = max(len(seqs), request.max_seqs)
-            if self.running and self._num_seq_slots() + max_seqs > self.config.max_num_seqs:
-                break
-            admitted = self._allocate(request, seqs, budget)
-            if admitted is None:
-                if not self.running and not self.swapped and not out.scheduled:
-                    # the whole cache is free and it still does not fit: it never will
-                    self.waiting.pop(0)
-                    self._give_up(request)
-                    continue
-                break
-            self.waiting.pop(0)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=self._key)
-            for seq, start, n in admitted:
-                if n:
-                    out.scheduled.append(self._scheduled(request, seq, start, n))
-                    budget -= n
+            left = self._admit(request, plan, budget)
+            if left is not None:
+                budget = left
+                continue
+            if not self.running and not self.swapped and not plan.chunks:
+                # the whole cache is free and it still does not fit: it never will
+                self.waiting.pop(0)
+                self._give_up(request)
+                continue
+            break
 
-    def _allocate(self, request: Request, seqs: list[Sequence], budget: int):
-        """Allocate blocks for every sequence of a waiting request, or none (returns None)."""
-        use_cache = request.params.prompt_logprobs is None
-        salt = request.cache_salt
+    def _admit(self, request: Request, plan: StepPlan, budget: int) -> int | None:
+        """Start a waiting request (its blocks and first chunk) and return the budget left, or
+        None when it does not fit now."""
+        max_seqs = max(len(request.live_seqs), request.max_seqs)
+        if self.running and self._num_seq_slots() + max_seqs > self.config.max_num_seqs:
+            return None
+        slots = self._allocate(request, budget)
+        if slots is None:
+            return None
+        assert self.waiting[0] is request
+        self.waiting.pop(0)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=self._key)
+        for seq, start, n, new in slots:
+            if n:
+                self._emit(request, seq, start, n, new, plan)
+                budget -= n
+        return budget
+
+    def _allocate(self, request: Request, budget: int) -> list[Slot] | None:
+        """Blocks for every sequence of a waiting request, or none at all (returns None)."""
+        use_cache = request.params.prompt_logprobs is None  # they need every position's logits
         reserve = request.num_prompt_tokens + self._max_tokens(request)
-        done: list[tuple[Sequence, int, int]] = []
-        for seq in seqs:
-            cached = self.kv.find_cached_prefix(seq.token_ids, salt) if use_cache else 0
-            n = min(len(seq.token_ids) - cached, budget)
-
-            def fits(num: int, seq: Sequence = seq) -> bool:
-                return self.kv.can_allocate(
-                    seq.token_ids, num, salt, reserve_tokens=reserve, use_prefix_cache=use_cache
-                )
-
-            if done and (n <= 0 or not fits(n)):
+        done: list[Slot] = []
+        for seq in request.live_seqs:
+            cached = self.kv.get_computed_blocks(seq) if use_cache else None
+            n = min(len(seq.token_ids) - (cached.num_tokens if cached else 0), budget)
+            new = None
+            if n > 0:
+                new = self.kv.allocate_slots(seq, n, cached, reserve_tokens=reserve)
+            if new is None and done:
                 # A later sequence of a forked request being recomputed. The earlier ones keep
                 # their blocks (new full blocks are already in the prefix cache, so they must be
                 # computed this step); this one takes its cached blocks now and computes the
                 # rest in later steps, like a chunked prefill.
                 n = 0
-            if (n <= 0 and not done) or not fits(n):
-                for s, start, _ in done:
+                new = self.kv.allocate_slots(seq, 0, cached, reserve_tokens=reserve)
+            if new is None:
+                for s, start, _, _ in done:
                     self.kv.uncache_from(s.seq_id, start)  # registered, never computed
                     self.kv.free(s.seq_id)
-                    s.num_computed_tokens = 0
                 return None
-            computed = self.kv.allocate(
-                seq.seq_id, seq.token_ids, n, salt,
-                use_prefix_cache=use_cache, reserve_tokens=reserve,
-            )
-            if n:
-                n = min(len(seq.token_ids) - computed, budget)
-            seq.num_computed_tokens = computed
-            done.append((seq, computed, n))
+            done.append((seq, seq.num_computed_tokens - n, n, new))
             budget -= n
         return done
+
+    def _emit(self, request: Request, seq: Sequence, start: int, n: int, new: NewBlocks,
+              plan: StepPlan) -> None:
+        """Put one sequence's chunk in the plan (and, the first time, the sequence itself)."""
+        self._sync_runner(seq, new, plan)
+        sample: tuple[int, ...] = ()
+        if start + n == len(seq.token_ids):  # it catches up with its tokens: sample the next
+            sample = (seq.seq_id,)
+            if needs_fan_out(request):
+                children = fan_out(request, self.kv)
+                for child in children:
+                    self.seqs[child.seq_id] = child
+                    self._sync_runner(child, None, plan)
+                sample += tuple(c.seq_id for c in children)
+        wants_prompt_logprobs = (
+            request.params.prompt_logprobs is not None
+            and seq.index == 0
+            and start + 1 < seq.num_prompt_tokens
+        )
+        plan.chunks.append(SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start,
+                                    sample, wants_prompt_logprobs))
+
+    def _sync_runner(self, seq: Sequence, new: NewBlocks | None, plan: StepPlan) -> None:
+        """Tell the runner about a sequence it does not hold yet (all of it), or about the block
+        ids that changed for one it holds."""
+        if not seq.in_runner:
+            plan.new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
+                                        seq.index, seq.request.params,
+                                        self.kv.block_table(seq.seq_id)))
+            seq.in_runner = True
+        elif new is not None and new.block_ids:
+            plan.block_table_updates.append((seq.seq_id, new.start, new.block_ids))
+
+    def _preempt(self, victim: Request, recompute: bool = False) -> None:
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        seqs = victim.live_seqs
+        for seq in seqs:
+            self._drop_from_runner(seq)
+        if self.config.preemption_mode == "swap" and not recompute:
+            copies = self.kv.swap_out([s.seq_id for s in seqs])
+            if copies is not None:
+                self._swap_out.extend(copies)
+                victim.status = RequestStatus.SWAPPED
+                bisect.insort(self.swapped, victim, key=self._key)
+                return
+        for seq in seqs:
+            self.kv.free(seq.seq_id)
+        victim.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, victim, key=self._key)
+
+    def _give_up(self, request: Request) -> None:
+        """Finish a request that cannot fit the KV cache even alone; reported next update."""
+        logger.warning("request %s cannot fit the KV cache (%d blocks) even alone; finishing it",
+                       request.request_id, self.kv.num_blocks)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "length"
+            self._release(seq)
+        if request.beam is not None:
+            request.beam.done = True
+        request.status = RequestStatus.FINISHED
+        self._ignored.append(request)
 
     def _max_tokens(self, request: Request) -> int:
         limit = self.config.max_model_len - request.num_prompt_tokens
         mt = request.params.max_tokens
         return limit if mt is None else min(mt, limit)
+
+    # ---- update ---------------------------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, out: RunnerOutput) -> list[RequestUpdate]:
+        """Append what the runner sampled, finish what tokens alone finish (EOS, stop token ids,
+        length: their blocks go back at once), take the beam steps; one update per request."""
+        now = time.monotonic()
+        updates: dict[str, RequestUpdate] = {}
+
+        def update(request: Request) -> RequestUpdate:
+            u = updates.get(request.request_id)
+            if u is None:
+                u = updates[request.request_id] = RequestUpdate(request)
+            return u
+
+        for request in self._ignored:
+            update(request)
+        self._ignored.clear()
+        beam_requests: dict[str, Request] = {}
+        for chunk in plan.chunks:
+            seq = self.seqs[chunk.seq_id]
+            request = seq.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            if chunk.context_len <= seq.num_prompt_tokens:
+                self.num_prompt_tokens_total += len(chunk.token_ids)
+            if chunk.prompt_logprobs:
+                update(request).prompt_logprobs = (chunk.start_pos,
+                                                   out.prompt_logprobs[chunk.seq_id])
+            for seq_id in chunk.sample_seq_ids:
+                sampled = self.seqs[seq_id]
+                tokens = out.sampled_token_ids[seq_id]
+                logprobs = out.logprobs.get(seq_id)
+                if request.beam is not None:
+                    assert logprobs is not None, "beams sample with logprobs"
+                    request.beam.pending[seq_id] = logprobs[0]
+                    beam_requests[request.request_id] = request
+                else:
+                    update(request).seqs.append(self._append(sampled, tokens, logprobs))
+        for request in beam_requests.values():
+            if all(b.seq_id in request.beam.pending for b in request.live_seqs):
+                self._beam_step(request)
+                update(request).beam_step = True
+        return list(updates.values())
+
+    def _append(self, seq: Sequence, tokens: list[int],
+                logprobs: list | None) -> SeqUpdate:
+        request = seq.request
+        taken: list[int] = []
+        for token in tokens:
+            seq.append_token(token)
+            taken.append(token)
+            stop = check_token_stop(request.params, seq.output_token_ids, request.eos_token_id,
+                                    seq.num_prompt_tokens, self.config.max_model_len)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = stop.finish_reason, stop.stop_reason
+                break
+        self.num_generation_tokens_total += len(taken)
+        if seq.is_finished:
+            self._finish_seq(seq)
+        return SeqUpdate(seq, taken, logprobs[: len(taken)] if logprobs is not None else None)
+
+    def _beam_step(self, request: Request) -> None:
+        beams = len(request.live_seqs)
+        born, died = beam_search.advance(request, self.kv)
+        self.num_generation_tokens_total += beams
+        for seq in died:
+            self._release(seq)
+        for seq in born:
+            self.seqs[seq.seq_id] = seq
+        if request.beam is not None and request.beam.done:
+            for seq in request.seqs:
+                self._release(seq)
+            if request in self.running:
+                self.running.remove(request)
+            request.status = RequestStatus.FINISHED
+
+    def step_failed(self, plan: StepPlan) -> None:
+        """The runner raised: blocks handed out for this step were registered in the prefix
+        cache but never computed, so nobody may hit them (the caller aborts the requests)."""
+        for chunk in plan.chunks:
+            self.kv.uncache_from(chunk.seq_id, chunk.start_pos)
+        self._dropped.extend(plan.finished_seq_ids)  # the runner may not have seen them
+
+    # ---- freeing --------------------------------------------------------------------------
+    def _finish_seq(self, seq: Sequence) -> None:
+        self._release(seq)
+        request = seq.request
+        if request.is_finished and request in self.running:
+            self.running.remove(request)
+            request.status = RequestStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        """A sequence is done for good: its blocks go back, the runner forgets it."""
+        self.kv.free(seq.seq_id)
+        self._drop_from_runner(seq)
+        self.seqs.pop(seq.seq_id, None)
+
+    def _drop_from_runner(self, seq: Sequence) -> None:
+        if seq.in_runner:
+            self._dropped.append(seq.seq_id)
+            seq.in_runner = False

@@ -1,8 +1,10 @@
 """Deciding when a sequence is finished, and keeping partial stop strings out of streams.
 
-Stop strings can span token boundaries, so they are searched in the incrementally decoded
-text: only where an occurrence could overlap the newly added characters. No engine types are
-used here; the engine passes plain values, so this is testable alone.
+Two halves, in vLLM v1's split: the scheduler checks what tokens alone decide (EOS, stop token
+ids, length) as each token lands, so a finished sequence frees its blocks at once; the output
+processor checks stop strings in the detokenized text. Stop strings can span token boundaries,
+so they are searched only where an occurrence could overlap the newly added characters. Plain
+values in, plain values out: testable alone.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from octavo.engine.sampling_params import SamplingParams
+from octavo.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 
@@ -53,13 +55,6 @@ def find_stop_string(
     return stop_str, output_text[:end]
 
 
-def stop_hold_back(stop: Sequence[str], include_stop_str_in_output: bool = False) -> int:
-    """Characters a stream must hold back: max(len(stop)) - 1 (vLLM's fixed buffer)."""
-    if not stop or include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in stop) - 1
-
-
 def partial_stop_len(text: str, stop: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of some stop string.
 
@@ -75,62 +70,60 @@ def partial_stop_len(text: str, stop: Sequence[str]) -> int:
     return longest
 
 
-class StreamBuffer:
-    """Hands out streaming deltas of a growing text, never a possible partial stop string.
-
-    Call `delta(text, finished)` with the full (already truncated) output text after each
-    step; on the final call everything left is released.
-    """
-
-    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
-        self._stop = [] if include_stop_str_in_output else list(stop)
-        self.sent = 0
-
-    def delta(self, text: str, finished: bool = False) -> str:
-        end = len(text) if finished else len(text) - partial_stop_len(text, self._stop)
-        end = max(end, self.sent)
-        out = text[self.sent : end]
-        self.sent = end
-        return out
-
-
-def check_stop(
+def check_token_stop(
     params: SamplingParams,
     output_token_ids: Sequence[int],
-    output_text: str,
-    new_char_count: int,
     eos_token_id: int | None,
     num_prompt_tokens: int,
     max_model_len: int,
 ) -> StopDecision | None:
-    """Finish reason after a step, or None to continue (vLLM's StopChecker order).
+    """The scheduler's check after each new token (vLLM's StopChecker order, token part).
 
-    "stop": EOS (unless ignore_eos), a stop token id, or a stop string, but none of these
-    before min_tokens outputs; "length": max_tokens outputs or max_model_len total tokens.
-    `new_char_count` is how many characters this step's tokens added to `output_text`.
+    "stop": EOS (unless ignore_eos) or a stop token id, but neither before min_tokens outputs;
+    "length": max_tokens outputs or max_model_len total tokens. Stop strings need the text:
+    check_text_stop adds them.
     """
     num_out = len(output_token_ids)
     if num_out and num_out >= params.min_tokens:
         last = output_token_ids[-1]
         if not params.ignore_eos and eos_token_id is not None and last == eos_token_id:
-            # EOS text only shows with skip_special_tokens=False; drop it like a stop string.
-            text = None
-            if new_char_count and not params.include_stop_str_in_output:
-                text = output_text[:-new_char_count]
-            return StopDecision("stop", None, text)
+            return StopDecision("stop")
         if last in (params.stop_token_ids or ()):
-            text = None
-            if new_char_count and not params.skip_special_tokens:
-                text = output_text[:-new_char_count]
-            return StopDecision("stop", last, text)
-        if params.detokenize and params.stop:
-            found = find_stop_string(
-                output_text, new_char_count, params.stop, params.include_stop_str_in_output
-            )
-            if found is not None:
-                return StopDecision("stop", found[0], found[1])
+            return StopDecision("stop", last)
     if num_prompt_tokens + num_out >= max_model_len:
         return StopDecision("length")
     if params.max_tokens is not None and num_out >= params.max_tokens:
         return StopDecision("length")
     return None
+
+
+def check_text_stop(
+    params: SamplingParams,
+    token_decision: StopDecision | None,
+    num_output_tokens: int,
+    output_text: str,
+    new_char_count: int,
+) -> StopDecision | None:
+    """The output processor's check once the step's tokens are detokenized.
+
+    A stop string that overlaps the new text ends the sequence ("stop", even on its last
+    allowed token: it wins over "length"); the text is cut before it, or after it with
+    include_stop_str_in_output. EOS and stop-token text (visible only with
+    skip_special_tokens=False) is dropped like a stop string. `new_char_count` is how many
+    characters this step's tokens added to `output_text`.
+    """
+    if token_decision is not None and token_decision.finish_reason == "stop":
+        text = None
+        if new_char_count:
+            eos = token_decision.stop_reason is None
+            hide = not params.include_stop_str_in_output if eos else not params.skip_special_tokens
+            if hide:
+                text = output_text[:-new_char_count]
+        return StopDecision("stop", token_decision.stop_reason, text)
+    if params.detokenize and params.stop and num_output_tokens >= params.min_tokens:
+        found = find_stop_string(
+            output_text, new_char_count, params.stop, params.include_stop_str_in_output
+        )
+        if found is not None:
+            return StopDecision("stop", found[0], found[1])
+    return token_decision

@@ -1,7 +1,10 @@
-"""The model runner: turns a StepPlan into tensors, moves KV blocks, runs the model.
+"""The model runner: executes a StepPlan and samples, returning plain Python values.
 
-It owns the model weights, the paged KV cache and the attention backend. It knows nothing of
-requests or scheduling; it executes exactly what the plan says.
+It owns every piece of device state: the weights, the paged KV cache (sized here, after the
+weights load), the attention backend, the RNG, and what it keeps of each sequence between steps
+(InputBatch). It knows nothing of requests or scheduling; it executes exactly what the plan
+says. Start-up: `ModelRunner(...)` loads the weights, `size_kv_blocks()` says how many blocks
+fit, `init_kv_cache(n)` allocates them.
 """
 
 from __future__ import annotations
@@ -13,31 +16,25 @@ import torch
 from safetensors import safe_open
 
 from octavo.config import ModelConfig
+from octavo.engine_args import EngineArgs
 from octavo.model.attention import get_backend
-from octavo.model.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
+from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
 from octavo.model.cpu_ops import select_cpu_ops
+from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
 from octavo.model.linear import pack_linears
 from octavo.model.llama import LlamaForCausalLM, RotaryEmbedding
-from octavo.step_plan import StepPlan
+from octavo.model.sampler import Sampler, compute_logprobs
+from octavo.model.sampling_metadata import SamplingMetadata
+from octavo.step_plan import RunnerOutput, StepPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str) -> torch.device:
     d = torch.device(device)
     if d.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA device is available")
-    if d.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={str(device)!r} is not supported (cpu or cuda)")
     return d
 
 
@@ -63,119 +60,116 @@ def load_model(
 
 
 @dataclass(slots=True)
-class StepOutput:
-    # one row per chunk with sample=True, in plan order
-    logits: torch.Tensor
-    # per chunk with all_logits=True (plan order): [num_tokens, vocab] float32
-    all_logits: list[torch.Tensor]
+class StepLogits:
+    # one row per chunk that samples, in plan order
+    sample: torch.Tensor
+    # seq_id -> [num_tokens, vocab] for chunks that want prompt logprobs
+    prompt: dict[int, torch.Tensor]
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_dir: Path,
-        config: ModelConfig,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        num_host_blocks: int = 0,
-        backend: AttentionBackend | str | None = None,
-        linear_backend: str | None = None,
-        fused_ops: str | None = None,
-    ) -> None:
+    def __init__(self, args: EngineArgs, model_dir: Path, config: ModelConfig) -> None:
+        self.args = args
         self.config = config
-        self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
-        self.model = load_model(model_dir, config, dtype, device, max_model_len,
-                                linear_backend, fused_ops)
-        self.kv_cache = KVCache(config, num_blocks, block_size, dtype, device, num_host_blocks)
-        if not isinstance(backend, AttentionBackend):
-            backend = get_backend(backend, device)
-        self.backend = backend
+        self.device = resolve_device(args.device)
+        self.dtype = DTYPES[args.dtype]
+        self.block_size = args.block_size
+        torch.manual_seed(args.seed)
+        max_positions = args.max_model_len or config.max_position_embeddings
+        self.model = load_model(model_dir, config, self.dtype, self.device, max_positions,
+                                args.linear_backend, args.fused_ops)
+        self.backend = get_backend(args.attention_backend, self.device)
+        self.batch = InputBatch(args.block_size, self.device)
+        self.sampler = Sampler()
+        self.kv_cache: KVCache | None = None
+
+    # ---- start-up -------------------------------------------------------------------------
+    def size_kv_blocks(self, mem_get_info: MemInfo | None = None) -> KVBlockCounts:
+        """Blocks for the device and the host; on CUDA from the memory left after the weights."""
+        return size_kv_blocks(self.args, self.config, self.dtype, self.device, mem_get_info)
+
+    def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.kv_cache = KVCache(self.config, num_blocks, self.block_size, self.dtype,
+                                self.device, num_host_blocks)
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        logits = self.forward(plan)
+        return self._sample(plan, logits)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def forward(self, plan: StepPlan) -> StepLogits:
+        """Apply the plan's sequence changes and KV copies, then run the model; the logits of
+        every sampling chunk's last token and of every prompt-logprobs chunk's tokens."""
+        assert self.kv_cache is not None, "init_kv_cache first"
+        self.batch.apply(plan)
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
         self.kv_cache.copy_blocks(plan.block_copies)
         if not plan.chunks:
             empty = torch.empty(0, self.config.vocab_size, device=self.device)
-            return StepOutput(logits=empty, all_logits=[])
-        input_ids, positions, meta, order = self._prepare(plan)
-        # Rows to project to the vocabulary: last token of every sampling chunk, plus every token
-        # of chunks that ask for prompt logprobs.
+            return StepLogits(sample=empty, prompt={})
+        inputs = self.batch.prepare(plan.chunks)
         row_starts: dict[int, int] = {}
         row = 0
-        for idx in order:
+        for idx in inputs.order:
             row_starts[idx] = row
             row += len(plan.chunks[idx].token_ids)
+        # Rows to project to the vocabulary: the last token of every sampling chunk, plus every
+        # token of chunks that want prompt logprobs.
         wanted: list[int] = []
         sample_rows: list[int] = []
-        all_rows: list[tuple[int, int]] = []
+        prompt_rows: list[tuple[int, int, int]] = []
         for idx, chunk in enumerate(plan.chunks):
-            n = len(chunk.token_ids)
-            start = row_starts[idx]
-            if chunk.all_logits:
-                all_rows.append((len(wanted), n))
+            n, start = len(chunk.token_ids), row_starts[idx]
+            if chunk.prompt_logprobs:
+                prompt_rows.append((chunk.seq_id, len(wanted), n))
                 wanted.extend(range(start, start + n))
-            if chunk.sample:
-                sample_rows.append(len(wanted) - 1 if chunk.all_logits else len(wanted))
-                if not chunk.all_logits:
+            if chunk.sample_seq_ids:
+                if chunk.prompt_logprobs:
+                    sample_rows.append(len(wanted) - 1)
+                else:
+                    sample_rows.append(len(wanted))
                     wanted.append(start + n - 1)
         logit_idx = torch.tensor(wanted, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logit_idx)
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
+                            self.backend, logit_idx)
         sampled = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
-        return StepOutput(logits=sampled, all_logits=[logits[s : s + n] for s, n in all_rows])
+        return StepLogits(sample=sampled,
+                          prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows})
 
-    def _prepare(self, plan: StepPlan):
-        """Flatten the plan, decodes first (vLLM's convention), into model inputs."""
-        bs = self.block_size
-        decode_idx = [i for i, c in enumerate(plan.chunks) if len(c.token_ids) == 1]
-        prefill_idx = [i for i, c in enumerate(plan.chunks) if len(c.token_ids) > 1]
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for i in decode_idx:
-            c = plan.chunks[i]
-            pos = c.start_pos
-            tokens.append(c.token_ids[0])
-            positions.append(pos)
-            slots.append(c.block_table[pos // bs] * bs + pos % bs)
-        decode_tables = decode_lens = None
-        if decode_idx:
-            lens = [plan.chunks[i].context_len for i in decode_idx]
-            width = -(-max(lens) // bs)
-            table_rows = [
-                (plan.chunks[i].block_table[:width] + [0] * width)[:width] for i in decode_idx
-            ]
-            decode_tables = torch.tensor(table_rows, dtype=torch.long, device=self.device)
-            decode_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
-        prefills: list[PrefillChunk] = []
-        prefill_slots: list[torch.Tensor] = []
-        row = len(decode_idx)
-        for i in prefill_idx:
-            c = plan.chunks[i]
-            n = len(c.token_ids)
-            nblocks = -(-c.context_len // bs)
-            table = torch.tensor(c.block_table[:nblocks], dtype=torch.long)
-            pos = torch.arange(c.start_pos, c.context_len)
-            prefill_slots.append(table[pos // bs] * bs + pos % bs)
-            tokens.extend(c.token_ids)
-            positions.extend(range(c.start_pos, c.context_len))
-            prefills.append(PrefillChunk(row, row + n, c.start_pos, table.to(self.device)))
-            row += n
-        slot_mapping = torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots])
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
-            num_decodes=len(decode_idx),
-            decode_block_tables=decode_tables,
-            decode_context_lens=decode_lens,
-            prefills=prefills,
-        )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return input_ids, pos_t, meta, decode_idx + prefill_idx
+    def _sample(self, plan: StepPlan, logits: StepLogits) -> RunnerOutput:
+        out = RunnerOutput()
+        rows: list[int] = []
+        seq_ids: list[int] = []
+        for row, chunk in enumerate(c for c in plan.chunks if c.sample_seq_ids):
+            for seq_id in chunk.sample_seq_ids:
+                rows.append(row)
+                seq_ids.append(seq_id)
+        if seq_ids:
+            states = [self.batch.seqs[s] for s in seq_ids]
+            meta = SamplingMetadata.from_params(
+                [s.params for s in states], [s.token_ids for s in states],
+                [s.num_prompt_tokens for s in states], self.config.vocab_size,
+                indices=[s.index for s in states], device=self.device,
+            )
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            result = self.sampler(logits.sample[index], meta)
+            for seq_id, token, lp in zip(seq_ids, result.sampled_token_ids, result.logprobs,
+                                         strict=True):
+                out.sampled_token_ids[seq_id] = [token]
+                if lp is not None:
+                    out.logprobs[seq_id] = [lp]
+        for chunk in plan.chunks:
+            if chunk.prompt_logprobs:
+                state = self.batch.seqs[chunk.seq_id]
+                # row t of the chunk predicts prompt token start + t + 1
+                end = min(chunk.context_len, state.num_prompt_tokens - 1)
+                targets = state.token_ids[chunk.start_pos + 1 : end + 1]
+                k = state.params.prompt_logprobs or 0
+                out.prompt_logprobs[chunk.seq_id] = (
+                    compute_logprobs(logits.prompt[chunk.seq_id][: len(targets)], targets, k)
+                    if targets else []
+                )
+        return out

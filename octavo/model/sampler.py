@@ -6,7 +6,8 @@ penalties (repetition on prompt+output, frequency/presence on output counts) -> 
 
 Sampling uses the "exponential race" (argmax of probs / q with q ~ Exp(1)), which is equivalent
 to drawing from the categorical distribution but lets each seeded row draw its own q with its
-own generator: a seeded row gets the same token whatever else is in the batch.
+own generator: a seeded row gets the same token whatever else is in the batch. Everything a
+step needs comes in a SamplingMetadata of tensors (see sampling_metadata.py).
 
 Logprobs are those of the raw logits (the model's distribution before temperature and
 penalties), vLLM's default "raw_logprobs" mode.
@@ -20,21 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from octavo.engine.sampling_params import SAMPLING_EPS, SamplingParams
-
-
-@dataclass
-class Logprob:
-    """Logprob of one token at one position; rank 1 is the most likely token."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# One position's logprobs: the top-k tokens in descending order (ranks 1..k), then the
-# chosen token if it was not among them.
-PositionLogprobs = dict[int, Logprob]
+from octavo.model.sampling_metadata import SamplingMetadata
+from octavo.outputs import Logprob, PositionLogprobs
 
 
 @dataclass
@@ -44,123 +32,10 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A per-request generator; the engine keeps it for the request's lifetime."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
-
-
-def _step_generator(seed: int, step: int, device: torch.device | str) -> torch.Generator:
-    # Stateless fallback: a generator derived from (seed, tokens generated so far) gives the
-    # same draw for the same position even after preemption and recompute.
-    return make_generator((seed * 1_000_003 + step) % (2**63 - 1), device)
-
-
-@dataclass
-class SamplingBatch:
-    """Per-row sampling settings of one step, as tensors; built once per step by the engine."""
-
-    temperatures: Tensor  # [N] float32; 1.0 for greedy rows (never divided by zero)
-    top_ps: Tensor  # [N] float32
-    top_ks: Tensor  # [N] int64; vocab_size when disabled
-    min_ps: Tensor  # [N] float32
-    presence_penalties: Tensor  # [N] float32
-    frequency_penalties: Tensor  # [N] float32
-    repetition_penalties: Tensor  # [N] float32
-    greedy: Tensor  # [N] bool
-    generators: list[torch.Generator | None]  # None = global RNG
-    output_token_ids: list[list[int]]
-    prompt_token_ids: list[list[int]]
-    banned_token_ids: list[list[int]]  # EOS/stop ids suppressed this step (min_tokens)
-    num_logprobs: list[int | None]
-    vocab_size: int
-    # Shortcuts so a plain batch skips work it does not need.
-    all_greedy: bool = False
-    do_penalties: bool = False
-    do_top_k: bool = False
-    do_top_p: bool = False
-    do_min_p: bool = False
-
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        prompt_token_ids: Sequence[list[int]],
-        output_token_ids: Sequence[list[int]],
-        generators: Sequence[torch.Generator | None] | None,
-        vocab_size: int,
-        device: torch.device | str = "cpu",
-        eos_token_id: int | None = None,
-    ) -> SamplingBatch:
-        """Gather the rows' settings into tensors.
-
-        `generators=None` derives a generator per seeded row from (seed, step), so callers
-        without per-request state still get reproducible, batch-independent draws; pass a list
-        to control the streams (None entries use the global RNG). `eos_token_id` is banned
-        with the stop token ids while a row has fewer than min_tokens outputs (unless
-        ignore_eos).
-        """
-        n = len(params)
-        if not (len(prompt_token_ids) == len(output_token_ids) == n):
-            raise ValueError("params, prompt_token_ids and output_token_ids differ in length")
-        if generators is None:
-            generators = [
-                None if p.seed is None else _step_generator(p.seed, len(out), device)
-                for p, out in zip(params, output_token_ids, strict=True)
-            ]
-        elif len(generators) != n:
-            raise ValueError("generators must have one entry per row")
-
-        greedy = [p.temperature < SAMPLING_EPS for p in params]
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        top_ks = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
-        banned = []
-        for p, out in zip(params, output_token_ids, strict=True):
-            if len(out) < p.min_tokens:
-                ids = set(p.all_stop_token_ids) | set(p.stop_token_ids or ())
-                if eos_token_id is not None and not p.ignore_eos:
-                    ids.add(eos_token_id)
-                banned.append(sorted(i for i in ids if 0 <= i < vocab_size))
-            else:
-                banned.append([])
-
-        def f32(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        non_greedy = [p for p, g in zip(params, greedy, strict=True) if not g]
-        return cls(
-            temperatures=f32(temps),
-            top_ps=f32([p.top_p for p in params]),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=f32([p.min_p for p in params]),
-            presence_penalties=f32([p.presence_penalty for p in params]),
-            frequency_penalties=f32([p.frequency_penalty for p in params]),
-            repetition_penalties=f32([p.repetition_penalty for p in params]),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            generators=list(generators),
-            output_token_ids=[list(x) for x in output_token_ids],
-            prompt_token_ids=[list(x) for x in prompt_token_ids],
-            banned_token_ids=banned,
-            num_logprobs=[p.logprobs for p in params],
-            vocab_size=vocab_size,
-            all_greedy=all(greedy),
-            do_penalties=any(
-                p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0
-                or p.repetition_penalty != 1.0
-                for p in params
-            ),
-            do_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy, strict=True) if not g),
-            do_top_p=any(p.top_p < 1.0 for p in non_greedy),
-            do_min_p=any(p.min_p > 0.0 for p in non_greedy),
-        )
-
-
 class Sampler:
-    """Stateless: everything a step needs is in the SamplingBatch."""
+    """Stateless: everything a step needs is in the SamplingMetadata."""
 
-    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: Tensor, batch: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(batch.num_logprobs):
             raise ValueError(f"logits must be [N, V] with N={len(batch.num_logprobs)}")
         raw = logits
@@ -178,7 +53,7 @@ class Sampler:
             logprobs=_sample_logprobs(raw, token_list, batch.num_logprobs),
         )
 
-    def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+    def _sample(self, logits: Tensor, batch: SamplingMetadata) -> Tensor:
         greedy_tokens = logits.argmax(dim=-1)
         rows = (~batch.greedy).nonzero().squeeze(1)
         sub = logits.index_select(0, rows)
@@ -212,7 +87,7 @@ def token_counts(token_ids: Sequence[list[int]], vocab_size: int, device: torch.
     return counts[:, :vocab_size]
 
 
-def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+def apply_penalties(logits: Tensor, batch: SamplingMetadata) -> Tensor:
     """vLLM's penalties: repetition on prompt+output tokens, frequency/presence on outputs.
 
     repetition: seen tokens' logits are divided by the penalty when positive and multiplied

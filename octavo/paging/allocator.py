@@ -1,9 +1,36 @@
-"""The interface the engine programs against; KVCacheManager and ContiguousAllocator both fit."""
+"""The interface the scheduler programs against; KVCacheManager and ContiguousAllocator both fit.
+
+Every call that takes blocks either does all of it or returns None and does nothing: the
+scheduler never asks "would it fit?" before acting.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from octavo.paging.kv_seq import KVSeq
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """A new sequence's leading full blocks found in the prefix cache (no references taken)."""
+
+    blocks: tuple[Any, ...]  # KVBlock
+    num_tokens: int
+
+
+EMPTY_PREFIX = CachedPrefix((), 0)
+
+
+@dataclass(frozen=True, slots=True)
+class NewBlocks:
+    """What allocate_slots changed: the block table reads `block_ids` from entry `start` on
+    (usually the blocks appended; from a copy-on-write copy's place; everything on a start)."""
+
+    start: int
+    block_ids: list[int]
 
 
 @runtime_checkable
@@ -11,39 +38,19 @@ class KVAllocator(Protocol):
     block_size: int
     num_blocks: int
 
-    def find_cached_prefix(
-        self, token_ids: Sequence[int], extra_key: Hashable | None = None
-    ) -> int: ...
+    def get_computed_blocks(self, seq: KVSeq) -> CachedPrefix: ...
 
-    def can_allocate(
+    def allocate_slots(
         self,
-        token_ids: Sequence[int],
+        seq: KVSeq,
         num_new_tokens: int,
-        extra_key: Hashable | None = None,
-        *,
-        reserve_tokens: int | None = None,
-        use_prefix_cache: bool = True,
-    ) -> bool: ...
-
-    def allocate(
-        self,
-        seq_id: int,
-        token_ids: Sequence[int],
-        num_new_tokens: int,
-        extra_key: Hashable | None = None,
+        cached: CachedPrefix | None = None,
         *,
         reserve_tokens: int | None = None,
         final_tokens: int | None = None,
-        use_prefix_cache: bool = True,
-    ) -> int: ...
+    ) -> NewBlocks | None: ...
 
-    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int: ...
-
-    def can_append_slots(self, seq_id: int, num_new_tokens: int) -> bool: ...
-
-    def append_slots(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int) -> None: ...
-
-    def fork(self, parent_id: int, child_id: int) -> None: ...
+    def fork(self, parent_id: int, child: KVSeq) -> None: ...
 
     def free(self, seq_id: int) -> None: ...
 
@@ -51,17 +58,11 @@ class KVAllocator(Protocol):
 
     def take_block_copies(self) -> list[tuple[int, int]]: ...
 
-    def can_swap_out(self, seq_ids: Sequence[int]) -> bool: ...
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None: ...
 
-    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]: ...
-
-    def can_swap_in(self, seq_ids: Sequence[int]) -> bool: ...
-
-    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]: ...
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None: ...
 
     def block_table(self, seq_id: int) -> list[int]: ...
-
-    def num_computed_tokens(self, seq_id: int) -> int: ...
 
     def num_free_blocks(self) -> int: ...
 

@@ -26,3 +26,26 @@ def hash_block_tokens(
     h.update(array("q", token_ids).tobytes())
     h.update(repr(extra_key).encode())
     return h.digest()
+
+
+class BlockHasher:
+    """Extends a sequence's list of block hashes as its tokens fill blocks: each full block is
+    hashed once, when it fills, never again on later admission attempts or steps."""
+
+    __slots__ = ("block_size",)
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+
+    def extend(
+        self, block_hashes: list[bytes], token_ids: Sequence[int], extra_key: Hashable | None
+    ) -> None:
+        bs = self.block_size
+        n = len(block_hashes)
+        while (n + 1) * bs <= len(token_ids):
+            parent = block_hashes[n - 1] if n else None
+            block_hashes.append(hash_block_tokens(parent, token_ids[n * bs : (n + 1) * bs],
+                                                  extra_key))
+            n += 1

@@ -9,10 +9,11 @@ list of free extents; scanning extents is fine for a baseline, nothing here is p
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from octavo.paging.block_pool import OutOfKVBlocks
+from octavo.paging.allocator import EMPTY_PREFIX, CachedPrefix, NewBlocks
+from octavo.paging.kv_seq import KVSeq
 from octavo.paging.waste import Reservation, check_slot_sum, contiguous_slot_stats
 
 RESERVE_MODES = ("max_model_len", "request")
@@ -20,9 +21,9 @@ RESERVE_MODES = ("max_model_len", "request")
 
 @dataclass(slots=True)
 class _Run:
+    seq: KVSeq
     start: int
     num_blocks: int
-    num_computed: int
     final_tokens: int | None
 
 
@@ -34,10 +35,11 @@ class ContiguousAllocator:
     """Reserve-up-front KV allocation.
 
     reserve="max_model_len": every sequence reserves `max_model_len` tokens (the classic case).
-    reserve="request": it reserves `reserve_tokens` (prompt + max_tokens), passed to allocate().
-    External fragmentation counts free extents too small for one more reservation of the
-    configured size; with reserve="request" that size is the smallest reservation seen so far
-    (a free gap that cannot hold even that is useless to every request we have seen).
+    reserve="request": it reserves `reserve_tokens` (prompt + max_tokens), passed to
+    allocate_slots(). External fragmentation counts free extents too small for one more
+    reservation of the configured size; with reserve="request" that size is the smallest
+    reservation seen so far (a free gap that cannot hold even that is useless to every request
+    we have seen).
     """
 
     def __init__(
@@ -67,7 +69,7 @@ class ContiguousAllocator:
         if self.reserve == "max_model_len":
             tokens = self.max_model_len
         elif reserve_tokens is None:
-            raise ValueError('reserve="request" needs allocate(..., reserve_tokens=N)')
+            raise ValueError('reserve="request" needs allocate_slots(..., reserve_tokens=N)')
         else:
             tokens = reserve_tokens
         if num_new_tokens > tokens:
@@ -80,47 +82,45 @@ class ContiguousAllocator:
                 return i
         return None
 
-    def find_cached_prefix(
-        self, token_ids: Sequence[int], extra_key: Hashable | None = None
-    ) -> int:
-        return 0
+    def get_computed_blocks(self, seq: KVSeq) -> CachedPrefix:
+        return EMPTY_PREFIX  # nothing is ever shared
 
-    def can_allocate(
+    def allocate_slots(
         self,
-        token_ids: Sequence[int],
+        seq: KVSeq,
         num_new_tokens: int,
-        extra_key: Hashable | None = None,
-        *,
-        reserve_tokens: int | None = None,
-        use_prefix_cache: bool = True,
-    ) -> bool:
-        return self._first_fit(self._reservation_blocks(num_new_tokens, reserve_tokens)) is not None
-
-    def allocate(
-        self,
-        seq_id: int,
-        token_ids: Sequence[int],
-        num_new_tokens: int,
-        extra_key: Hashable | None = None,
+        cached: CachedPrefix | None = None,
         *,
         reserve_tokens: int | None = None,
         final_tokens: int | None = None,
-        use_prefix_cache: bool = True,
-    ) -> int:
-        """Reserve the whole buffer now. `final_tokens`, when known (benchmarks know it), lets
-        stats tell slots that will never be used (internal) from ones still to come (reserved)."""
-        if seq_id in self._runs:
-            raise ValueError(f"sequence {seq_id} already has KV blocks")
-        if not 0 <= num_new_tokens <= len(token_ids):
-            raise ValueError(f"cannot compute {num_new_tokens} of {len(token_ids)} tokens")
+    ) -> NewBlocks | None:
+        """A new sequence reserves its whole buffer now (first fit), or gets None. Later calls
+        never allocate: they succeed inside the reservation and return None past it, where no
+        amount of freeing helps. `final_tokens`, when known (benchmarks know it), lets stats
+        tell slots that will never be used (internal) from ones still to come (reserved)."""
+        run = self._runs.get(seq.seq_id)
+        end = seq.num_computed_tokens + num_new_tokens
+        if num_new_tokens < 0 or end > len(seq.token_ids):
+            raise ValueError(
+                f"cannot compute {num_new_tokens} new tokens after {seq.num_computed_tokens} of "
+                f"{len(seq.token_ids)} known tokens"
+            )
+        if run is not None:
+            if run.seq is not seq:
+                raise ValueError(f"sequence id {seq.seq_id} already has KV blocks")
+            if cached is not None:
+                raise ValueError(f"sequence {seq.seq_id} already has blocks: no cached prefix "
+                                 "to add")
+            if end > run.num_blocks * self.block_size:
+                return None  # it outgrew its reservation
+            seq.num_computed_tokens = end
+            return NewBlocks(run.num_blocks, [])
+        if seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} counts computed tokens but has no blocks")
         n = self._reservation_blocks(num_new_tokens, reserve_tokens)
         i = self._first_fit(n)
         if i is None:
-            largest = max((length for _, length in self._free), default=0)
-            raise OutOfKVBlocks(
-                f"allocate sequence {seq_id}: no free extent of {n} contiguous blocks (largest "
-                f"is {largest}, {self._num_free} of {self.num_blocks} blocks free)"
-            )
+            return None
         start, length = self._free[i]
         if length == n:
             del self._free[i]
@@ -130,34 +130,11 @@ class ContiguousAllocator:
         self._peak_used = max(self._peak_used, self.num_blocks - self._num_free)
         if self._smallest_reservation is None or n < self._smallest_reservation:
             self._smallest_reservation = n
-        self._runs[seq_id] = _Run(start, n, num_new_tokens, final_tokens)
-        return 0
+        self._runs[seq.seq_id] = _Run(seq, start, n, final_tokens)
+        seq.num_computed_tokens = end
+        return NewBlocks(0, list(range(start, start + n)))
 
-    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
-        """0 inside the reservation; past it no number of free blocks helps (never fits)."""
-        return 0 if self.can_append_slots(seq_id, num_new_tokens) else self.num_blocks + 1
-
-    def can_append_slots(self, seq_id: int, num_new_tokens: int) -> bool:
-        run = self._get(seq_id)
-        return run.num_computed + num_new_tokens <= run.num_blocks * self.block_size
-
-    def append_slots(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int) -> None:
-        """Never allocates: a sequence that outgrows its reservation cannot continue."""
-        run = self._get(seq_id)
-        end = run.num_computed + num_new_tokens
-        if num_new_tokens < 0 or end > len(token_ids):
-            raise ValueError(
-                f"cannot compute {num_new_tokens} new tokens after {run.num_computed} of "
-                f"{len(token_ids)} known tokens"
-            )
-        if end > run.num_blocks * self.block_size:
-            raise OutOfKVBlocks(
-                f"sequence {seq_id} outgrew its reservation of {run.num_blocks * self.block_size} "
-                f"slots ({end} needed)"
-            )
-        run.num_computed = end
-
-    def fork(self, parent_id: int, child_id: int) -> None:
+    def fork(self, parent_id: int, child: KVSeq) -> None:
         raise NotImplementedError(
             "the contiguous baseline cannot share KV blocks between sequences, so it cannot fork "
             "(parallel sampling / beam search need the paged KVCacheManager)"
@@ -167,6 +144,7 @@ class ContiguousAllocator:
         run = self._runs.pop(seq_id, None)
         if run is None:
             return
+        run.seq.num_computed_tokens = 0
         start, n = run.start, run.num_blocks
         i = bisect.bisect_left(self._free, (start, 0))
         if i < len(self._free) and self._free[i][0] == start + n:  # merge with the next extent
@@ -187,25 +165,16 @@ class ContiguousAllocator:
         return []
 
     # -- swap: not supported, a contiguous buffer is preempted by recomputation -----------------
-    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
-        return False
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
+        return None
 
-    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        raise NotImplementedError("the contiguous baseline does not swap; preempt by recompute")
-
-    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
-        return False
-
-    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        raise NotImplementedError("the contiguous baseline does not swap; preempt by recompute")
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
+        raise ValueError("the contiguous baseline never swaps out, so nothing can swap in")
 
     # -- queries --------------------------------------------------------------------------------
     def block_table(self, seq_id: int) -> list[int]:
         run = self._get(seq_id)
         return list(range(run.start, run.start + run.num_blocks))
-
-    def num_computed_tokens(self, seq_id: int) -> int:
-        return self._get(seq_id).num_computed
 
     def num_free_blocks(self) -> int:
         return self._num_free
@@ -227,7 +196,7 @@ class ContiguousAllocator:
             **contiguous_slot_stats(
                 block_size=bs,
                 reservations=(
-                    Reservation(r.num_computed, r.num_blocks * bs, r.final_tokens)
+                    Reservation(r.seq.num_computed_tokens, r.num_blocks * bs, r.final_tokens)
                     for r in self._runs.values()
                 ),
                 free_extents=(length for _, length in self._free),
@@ -244,8 +213,8 @@ class ContiguousAllocator:
     def check_invariants(self) -> None:
         owner: list[int | None] = [None] * self.num_blocks
         for seq_id, run in self._runs.items():
-            assert run.num_computed <= run.num_blocks * self.block_size, (
-                f"seq {seq_id}: {run.num_computed} tokens overflow its reservation"
+            assert run.seq.num_computed_tokens <= run.num_blocks * self.block_size, (
+                f"seq {seq_id}: {run.seq.num_computed_tokens} tokens overflow its reservation"
             )
             for b in range(run.start, run.start + run.num_blocks):
                 assert owner[b] is None, f"block {b} reserved by seq {seq_id} and {owner[b]}"

@@ -50,8 +50,8 @@ class ServerContext:
         self.model_name = config.served_model_names[0]
         self.max_model_len = llm.max_model_len
         self.vocab_size = llm.model_config.vocab_size
-        self.max_num_seqs = llm.config.max_num_seqs
-        self.scheduling_policy = llm.config.scheduling_policy
+        self.max_num_seqs = llm.args.max_num_seqs
+        self.scheduling_policy = llm.args.scheduling_policy
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         self.metrics = ServerMetrics(self.model_name, engine.stats)
         engine.observer = self.metrics

@@ -20,6 +20,7 @@ from collections.abc import Callable, Generator
 import uvicorn
 
 from octavo.engine.async_engine import AsyncLLMEngine
+from octavo.llm import LLM
 from octavo.server.app import build_app
 from octavo.server.context import ServerConfig
 
@@ -59,22 +60,18 @@ def server_config(args: argparse.Namespace, default_name: str) -> ServerConfig:
     )
 
 
-def run_server(args: argparse.Namespace) -> int:
-    from octavo.cli import engine_kwargs
-    from octavo.llm import LLM
-
-    llm = LLM(**engine_kwargs(args))
+def run_server(llm: LLM, config: ServerConfig, host: str, port: int,
+               log_level: str = "info") -> int:
     engine = AsyncLLMEngine(llm.engine)
-    config = server_config(args, llm.engine.model_dir.name)
     app = build_app(engine, config)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port,
-                               log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                               timeout_graceful_shutdown=5)
     server = OctavoServer(uv_config, on_exit=engine.begin_shutdown)
     name = config.served_model_names[0]
     auth = ' -H "Authorization: Bearer $OCTAVO_API_KEY"' if config.api_key else ""
     print(
         f"octavo: serving {name!r} (max_model_len {llm.engine.max_model_len}) on "
-        f"http://{args.host}:{args.port}\ntry:\n  curl http://{args.host}:{args.port}"
+        f"http://{host}:{port}\ntry:\n  curl http://{host}:{port}"
         f"/v1/chat/completions -H 'Content-Type: application/json'{auth} -d "
         f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
         f"\"What is PagedAttention?\"}}], \"max_tokens\": 64}}'",

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from octavo.engine.outputs import RequestOutput
+from octavo.outputs import RequestOutput
 
 PREFIX = "octavo:"
 

@@ -19,8 +19,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from octavo.engine.async_engine import EngineStepError, RequestAbortedError, RequestStream
-from octavo.engine.outputs import RequestOutput
-from octavo.engine.sampling_params import SamplingParams
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
 from octavo.server.context import ServerContext
 from octavo.server.errors import OpenAIError, bad_request, error_body
 from octavo.server.protocol import SamplingFields, UsageInfo

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from octavo.engine.async_engine import RequestStream
-from octavo.engine.outputs import CompletionOutput, RequestOutput
+from octavo.outputs import CompletionOutput, RequestOutput
 from octavo.server.context import ServerContext
 from octavo.server.errors import bad_request
 from octavo.server.logprobs import completion_logprobs

@@ -38,7 +38,9 @@ def abort_and_check(engine, request) -> None:
     engine.check_invariants()
     for seq_id in seq_ids:
         with pytest.raises(KeyError):
-            engine.kv.num_computed_tokens(seq_id)
+            engine.kv.block_table(seq_id)
+        assert seq_id not in engine.scheduler.seqs
+    assert all(s.num_computed_tokens == 0 for s in request.seqs)
     stats = engine.stats()
     assert stats["kv_blocks_used"] == len(others)  # exactly the others' blocks remain
     if not engine.scheduler.swapped:

@@ -56,13 +56,13 @@ class StepRecorder:
         inner = scheduler.schedule
 
         def schedule():
-            out = inner()
-            self.swap_out += len(out.swap_out)
-            self.swap_in += len(out.swap_in)
-            self.tokens += out.num_tokens
-            self.step_tokens.append(out.num_tokens)
-            self.chunks.extend(s.num_new_tokens for s in out.scheduled)
-            return out
+            plan = inner()
+            self.swap_out += len(plan.swap_out)
+            self.swap_in += len(plan.swap_in)
+            self.tokens += plan.num_tokens
+            self.step_tokens.append(plan.num_tokens)
+            self.chunks.extend(len(c.token_ids) for c in plan.chunks)
+            return plan
 
         scheduler.schedule = schedule
 

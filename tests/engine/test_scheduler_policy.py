@@ -1,21 +1,24 @@
-"""Scheduler policy at unit level (no model): the scheduler runs over a real KV manager and the
-test plays the engine's part (advance computed tokens, append a fake sampled token)."""
+"""Scheduler policy at unit level (no model): the scheduler runs over a real KV manager, and a
+fake runner samples token 7 for every sequence that asks; the scheduler's own
+update_from_output moves the sequences on (forks, finishes, frees)."""
 
 from __future__ import annotations
 
 import pytest
 
-from octavo.engine.request import Request, RequestStatus, Sequence
-from octavo.engine.sampling_params import SamplingParams
-from octavo.engine.scheduler import Scheduler, SchedulerConfig
+from octavo.engine.request import Request, RequestStatus
+from octavo.engine.scheduler import Scheduler
+from octavo.engine_args import EngineArgs
 from octavo.paging.kv_manager import KVCacheManager
+from octavo.sampling_params import SamplingParams
+from octavo.step_plan import RunnerOutput, StepPlan
 
 
 def make_scheduler(policy: str, num_blocks: int, block_size: int = 4, **kw) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False,
                         num_cpu_blocks=num_blocks)
-    config = SchedulerConfig(max_model_len=num_blocks * block_size,
-                             scheduling_policy=policy, **kw)
+    config = EngineArgs(scheduling_policy=policy, **kw).scheduler_config(
+        max_model_len=num_blocks * block_size)
     return Scheduler(config, kv)
 
 
@@ -29,32 +32,17 @@ def make_request(rid: str, prompt_len: int, priority: int = 0, max_tokens: int =
                    arrival_index=next(_arrivals), priority=priority)
 
 
-def step(scheduler: Scheduler):
-    """One engine step without a model: every scheduled sequence computes its tokens, sampling
-    ones get token 7 (a request with n > 1 forks first, as the engine does); sequences reaching
-    max_tokens finish."""
-    out = scheduler.schedule()
-    for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
-    for s in out.scheduled:
-        if not s.sample:
-            continue
-        request = s.seq.request
-        seqs = [s.seq]
-        if len(request.seqs) < request.params.n:
-            for index in range(1, request.params.n):
-                child = Sequence(request, list(s.seq.token_ids), s.seq.num_prompt_tokens,
-                                 index=index, num_computed_tokens=s.seq.num_computed_tokens)
-                scheduler.kv.fork(s.seq.seq_id, child.seq_id)
-                request.seqs.append(child)
-            seqs = list(request.seqs)
-        for seq in seqs:
-            seq.token_ids.append(7)
-            if seq.num_output_tokens >= request.params.max_tokens:
-                seq.finish_reason = "length"
-                scheduler.finish_seq(seq)
+def fake_runner(plan: StepPlan) -> RunnerOutput:
+    return RunnerOutput(sampled_token_ids={
+        seq_id: [7] for c in plan.chunks for seq_id in c.sample_seq_ids})
+
+
+def step(scheduler: Scheduler) -> StepPlan:
+    """One engine step without a model."""
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, fake_runner(plan))
     scheduler.kv.check_invariants()
-    return out
+    return plan
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
@@ -71,11 +59,12 @@ def test_waiting_order(policy):
     for _ in range(50):
         if not sched.has_unfinished():
             break
-        out = step(sched)
-        for s in out.scheduled:
-            if s.seq.request.request_id not in order:
-                order.append(s.seq.request.request_id)
-        assert len({s.seq.request.request_id for s in out.scheduled}) <= 1
+        plan = sched.schedule()
+        ids = {sched.seqs[c.seq_id].request.request_id for c in plan.chunks}
+        sched.update_from_output(plan, fake_runner(plan))
+        sched.kv.check_invariants()
+        order += sorted(ids - set(order))
+        assert len(ids) <= 1
     assert not sched.has_unfinished()
     assert order == (["b", "c", "a"] if policy == "priority" else ["a", "b", "c"])
     assert sched.kv.stats()["kv_blocks_used"] == 0
@@ -92,18 +81,22 @@ def test_preemption_victim(policy, mode):
     high = make_request("high", 4, priority=0, max_tokens=12)
     sched.add_request(low)
     sched.add_request(high)
-    preempted = []
+    swapped_seen = False
     for _ in range(200):
         if not sched.has_unfinished():
             break
-        out = step(sched)
-        preempted += [r.request_id for r in out.preempted]
-        if mode == "swap" and out.preempted:
-            assert out.swap_out and out.preempted[0].status is RequestStatus.SWAPPED
+        before = sched.num_preemptions
+        plan = step(sched)
+        if mode == "swap" and sched.num_preemptions > before:
+            assert plan.swap_out and sched.swapped and sched.swapped[0].status is (
+                RequestStatus.SWAPPED)
+            swapped_seen = True
     assert not sched.has_unfinished()
+    preempted = {r.request_id for r in (low, high) if r.num_preemptions}
     assert preempted, "memory for 2 x 16 tokens in 16 slots: someone must be preempted"
+    assert swapped_seen == (mode == "swap")
     victim = "low" if policy == "priority" else "high"
-    assert set(preempted) == {victim}
+    assert preempted == {victim}
     stats = sched.kv.stats()
     assert stats["kv_blocks_used"] == 0 and stats["kv_cpu_blocks_used"] == 0
 
@@ -156,6 +149,7 @@ def test_waiting_high_priority_preempts_running_low_priority():
     step(sched)  # low holds 3 of the 4 blocks and keeps growing
     high = make_request("high", 8, priority=0, max_tokens=2)
     sched.add_request(high)
-    out = step(sched)
-    assert [r.request_id for r in out.preempted] == ["low"]
-    assert "high" in [s.seq.request.request_id for s in out.scheduled]
+    plan = sched.schedule()
+    assert (low.num_preemptions, high.num_preemptions) == (1, 0)
+    assert high.seqs[0].seq_id in [c.seq_id for c in plan.chunks]
+    assert low.seqs[0].seq_id in plan.finished_seq_ids, "the runner forgets the victim"

@@ -22,7 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from octavo.paging import KVCacheManager, OutOfKVBlocks, kv_manager
+from octavo.paging import BlockHasher, CachedPrefix, KVCacheManager, KVSeq, NewBlocks, block_hash
 
 BS = 4
 NUM_BLOCKS = 20
@@ -35,11 +35,20 @@ EXTRA_KEYS = st.sampled_from([None, "adapter-a"])
 Content = tuple[Hashable, tuple[int, ...]]
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def new_seq(seq_id: int, tokens, extra_key: Hashable = None) -> KVSeq:
+    return KVSeq(seq_id, tokens, hasher=BlockHasher(BS), extra_key=extra_key)
+
+
 class PagedKVMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.mgr = KVCacheManager(NUM_BLOCKS, BS, num_cpu_blocks=NUM_CPU_BLOCKS)
-        self.tokens: dict[int, list[int]] = {}
+        self.seqs: dict[int, KVSeq] = {}  # every live sequence, running or swapped out
+        self.tokens: dict[int, list[int]] = {}  # what each sequence's tokens must be
         self.extra: dict[int, Hashable] = {}
         self.cpu_tables: dict[int, list[int]] = {}  # swapped-out sequences
         self.gpu_kv: dict[int, Content] = {}
@@ -85,17 +94,45 @@ class PagedKVMachine(RuleBasedStateMachine):
         m = self.mgr
         return (
             m.stats(),
-            {s: m.num_computed_tokens(s) for s in self.tokens},
+            {s: q.num_computed_tokens for s, q in self.seqs.items()},
             {s: m.block_table(s) for s in self.running()},
             [b.block_id for b in m.block_pool.iter_free_blocks()],
             [b.block_id for b in m.cpu_pool.iter_free_blocks()],
+            [(b.ref_cnt, b.num_filled, b.block_hash) for b in m.block_pool.blocks],
         )
 
-    def expect_out_of_blocks(self, op, *args) -> None:
-        before = self.snapshot()
-        with pytest.raises(OutOfKVBlocks):
-            op(*args)
+    def expect_refused(self, before: tuple, must_refuse: bool, what: str) -> None:
+        """After an operation returned None: it had to, and it changed nothing."""
+        assert must_refuse, f"{what} was refused although the free blocks suffice"
         assert self.snapshot() == before, "a failed operation left state behind"
+        assert self.mgr.take_block_copies() == [], "a failed operation recorded a copy"
+
+    def admit(self, s: KVSeq, n: int, cached: CachedPrefix) -> bool:
+        """Start a new sequence on its cached prefix with `n` more tokens; False when refused."""
+        m = self.mgr
+        # A hit on a cached-free block takes it off the free list; a hit on a used one is free.
+        needed = (
+            sum(b.ref_cnt == 0 for b in cached.blocks)
+            + _cdiv(cached.num_tokens + n, BS)
+            - len(cached.blocks)
+        )
+        free = m.num_free_blocks()
+        before = self.snapshot()
+        new = m.allocate_slots(s, n, cached)
+        if new is None:
+            self.expect_refused(before, needed > free, f"starting sequence {s.seq_id}")
+            assert s.num_computed_tokens == 0
+            with pytest.raises(KeyError):
+                m.block_table(s.seq_id)
+            return False
+        assert m.num_free_blocks() == free - needed, "a start took the wrong number of blocks"
+        assert new == NewBlocks(0, m.block_table(s.seq_id)), "a start returns the whole table"
+        assert s.num_computed_tokens == cached.num_tokens + n
+        self.queried += len(s.token_ids)
+        self.hit += cached.num_tokens
+        self.seqs[s.seq_id] = s
+        self.tokens[s.seq_id], self.extra[s.seq_id] = list(s.token_ids), s.extra_key
+        return True
 
     # -- rules ----------------------------------------------------------------------------------
     @rule(data=st.data(), prefix=st.sampled_from(PREFIXES), extra=EXTRA_KEYS)
@@ -104,69 +141,88 @@ class PagedKVMachine(RuleBasedStateMachine):
         prompt = prefix[:cut] + data.draw(st.lists(SMALL_TOKENS, max_size=9), label="suffix")
         if not prompt:
             prompt = [0]
-        cached = self.mgr.find_cached_prefix(prompt, extra)
-        assert cached % BS == 0 and 0 <= cached < len(prompt)
-        n = data.draw(st.integers(1, len(prompt) - cached), label="chunk")
         seq_id = self.new_id()
-        if not self.mgr.can_allocate(prompt, n, extra):
-            self.expect_out_of_blocks(self.mgr.allocate, seq_id, prompt, n, extra)
+        s = new_seq(seq_id, prompt, extra)
+        cached = self.mgr.get_computed_blocks(s)
+        nc = cached.num_tokens
+        assert nc % BS == 0 and 0 <= nc < len(prompt) and len(cached.blocks) * BS == nc
+        n = data.draw(st.integers(1, len(prompt) - nc), label="chunk")
+        if not self.admit(s, n, cached):
             return
-        assert self.mgr.allocate(seq_id, prompt, n, extra) == cached
-        self.queried += len(prompt)
-        self.hit += cached
         table = self.mgr.block_table(seq_id)
-        for i in range(cached // BS):
+        assert table[: nc // BS] == [b.block_id for b in cached.blocks]
+        for i in range(nc // BS):
             assert self.mgr.block_pool.blocks[table[i]].token_ids == tuple(
                 prompt[i * BS : (i + 1) * BS]
             ), "a prefix hit returned a block holding other tokens"
-        self.tokens[seq_id], self.extra[seq_id] = list(prompt), extra
-        assert self.mgr.num_computed_tokens(seq_id) == cached + n
-        self.write(seq_id, cached, cached + n)
+        self.write(seq_id, nc, nc + n)
 
     @precondition(lambda self: self.running())
     @rule(data=st.data())
     def append(self, data) -> None:
         """Next prefill chunk, or one decode token once the prompt is done."""
         seq_id = data.draw(st.sampled_from(self.running()), label="seq")
-        known = self.tokens[seq_id]
-        start = self.mgr.num_computed_tokens(seq_id)
+        s, known = self.seqs[seq_id], self.tokens[seq_id]
+        start = s.num_computed_tokens
         if start < len(known):
-            n, candidate = data.draw(st.integers(1, len(known) - start), label="chunk"), known
+            n = data.draw(st.integers(1, len(known) - start), label="chunk")
         else:
-            n, candidate = 1, [*known, data.draw(SMALL_TOKENS, label="sampled")]
+            n = 1
+            token = data.draw(SMALL_TOKENS, label="sampled")
+            s.append_token(token)  # known from now on, even if its slot has to wait
+            known.append(token)
         table = self.mgr.block_table(seq_id)
         pool = self.mgr.block_pool
         shared = start % BS != 0 and pool.blocks[table[start // BS]].ref_cnt > 1
-        if not self.mgr.can_append_slots(seq_id, n):
-            self.expect_out_of_blocks(self.mgr.append_slots, seq_id, candidate, n)
+        needed = _cdiv(start + n, BS) - len(table) + shared
+        free = self.mgr.num_free_blocks()
+        before = self.snapshot()
+        new = self.mgr.allocate_slots(s, n)
+        if new is None:
+            self.expect_refused(before, needed > free, f"growing sequence {seq_id}")
             return
-        self.mgr.append_slots(seq_id, candidate, n)
-        self.tokens[seq_id] = candidate
+        assert self.mgr.num_free_blocks() == free - needed, "growth took the wrong number of blocks"
+        assert s.num_computed_tokens == start + n
         copies = self.mgr.take_block_copies()
+        new_table = self.mgr.block_table(seq_id)
         if shared:
             assert len(copies) == 1, f"writing into a shared block made {len(copies)} copies"
-            new_table = self.mgr.block_table(seq_id)
             assert copies[0] == (table[start // BS], new_table[start // BS])
             assert new_table[: start // BS] == table[: start // BS]
+            assert new.start == start // BS, "NewBlocks must start at the copy"
         else:
             assert copies == [], "copied a block that was not shared"
+            assert new_table[: len(table)] == table and new.start == len(table)
+        assert new.block_ids == new_table[new.start :]
         self.write(seq_id, start, start + n, copies)
 
     @precondition(lambda self: self.running())
     @rule(data=st.data())
     def fork(self, data) -> None:
         parent = data.draw(st.sampled_from(self.running()), label="parent")
+        p = self.seqs[parent]
         child = self.new_id()
-        self.mgr.fork(parent, child)
+        c = KVSeq(
+            child,
+            p.token_ids,
+            hasher=p.hasher,
+            extra_key=p.extra_key,
+            block_hashes=list(p.block_hashes),
+            num_computed_tokens=p.num_computed_tokens,
+        )
+        self.mgr.fork(parent, c)
+        self.seqs[child] = c
         self.tokens[child], self.extra[child] = list(self.tokens[parent]), self.extra[parent]
         assert self.mgr.block_table(child) == self.mgr.block_table(parent)
-        assert self.mgr.num_computed_tokens(child) == self.mgr.num_computed_tokens(parent)
+        assert c.num_computed_tokens == p.num_computed_tokens
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)), label="seq")
         self.mgr.free(seq_id)
+        s = self.seqs.pop(seq_id)
+        assert s.num_computed_tokens == 0, "free resets the computed-token count"
         del self.tokens[seq_id], self.extra[seq_id]
         self.cpu_tables.pop(seq_id, None)
 
@@ -175,18 +231,14 @@ class PagedKVMachine(RuleBasedStateMachine):
         """A long unrelated prompt that evicts cached blocks, overwrites them, then leaves."""
         prompt = data.draw(st.lists(st.integers(100, 10**6), min_size=8, max_size=48), label="p")
         seq_id = self.new_id()
-        cached = self.mgr.find_cached_prefix(prompt)
-        if not self.mgr.can_allocate(prompt, len(prompt) - cached):
-            self.expect_out_of_blocks(self.mgr.allocate, seq_id, prompt, len(prompt) - cached)
+        s = new_seq(seq_id, prompt)
+        cached = self.mgr.get_computed_blocks(s)
+        if not self.admit(s, len(prompt) - cached.num_tokens, cached):
             return
-        self.mgr.allocate(seq_id, prompt, len(prompt) - cached)
-        self.queried += len(prompt)
-        self.hit += cached
-        self.tokens[seq_id], self.extra[seq_id] = prompt, None
-        self.write(seq_id, cached, len(prompt))
+        self.write(seq_id, cached.num_tokens, len(prompt))
         self.check_kv_contents()
         self.mgr.free(seq_id)
-        del self.tokens[seq_id], self.extra[seq_id]
+        del self.seqs[seq_id], self.tokens[seq_id], self.extra[seq_id]
 
     @precondition(lambda self: self.running())
     @rule(data=st.data())
@@ -195,12 +247,14 @@ class PagedKVMachine(RuleBasedStateMachine):
             st.lists(st.sampled_from(self.running()), min_size=1, max_size=3, unique=True), "group"
         )
         tables = {s: self.mgr.block_table(s) for s in group}
-        if not self.mgr.can_swap_out(group):
-            self.expect_out_of_blocks(self.mgr.swap_out, group)
-            return
-        copies = self.mgr.swap_out(group)
-        mapping = dict(copies)
         distinct = {b for t in tables.values() for b in t}
+        free = self.mgr.cpu_pool.num_free_blocks
+        before = self.snapshot()
+        copies = self.mgr.swap_out(group)
+        if copies is None:
+            self.expect_refused(before, len(distinct) > free, f"swapping out {group}")
+            return
+        mapping = dict(copies)
         assert set(mapping) == distinct and len(copies) == len(distinct), "each block copied once"
         assert len(set(mapping.values())) == len(mapping), "two GPU blocks copied to one CPU block"
         for gpu, cpu in copies:
@@ -213,11 +267,15 @@ class PagedKVMachine(RuleBasedStateMachine):
     def swap_in(self, data) -> None:
         swapped = sorted(self.cpu_tables)
         group = data.draw(st.lists(st.sampled_from(swapped), min_size=1, unique=True), "group")
-        if not self.mgr.can_swap_in(group):
-            self.expect_out_of_blocks(self.mgr.swap_in, group)
-            return
-        copies = self.mgr.swap_in(group)
         distinct = {b for s in group for b in self.cpu_tables[s]}
+        free = self.mgr.num_free_blocks()
+        before = self.snapshot()
+        copies = self.mgr.swap_in(group)
+        if copies is None:
+            # Each distinct CPU block takes at most one free GPU block (a copy, or reviving the
+            # cached block it reuses), so a group with no more than that many must fit.
+            self.expect_refused(before, len(distinct) > free, f"swapping in {group}")
+            return
         assert {c for c, _ in copies} <= distinct and len(copies) == len(dict(copies))
         for cpu, gpu in copies:
             self.copy_block(self.cpu_kv, cpu, self.gpu_kv, gpu)
@@ -227,7 +285,7 @@ class PagedKVMachine(RuleBasedStateMachine):
     # -- invariants -----------------------------------------------------------------------------
     def check_kv_contents(self) -> None:
         for s in self.tokens:
-            n = self.mgr.num_computed_tokens(s)
+            n = self.seqs[s].num_computed_tokens
             swapped = s in self.cpu_tables
             table = self.cpu_tables[s] if swapped else self.mgr.block_table(s)
             kv = self.cpu_kv if swapped else self.gpu_kv
@@ -245,6 +303,15 @@ class PagedKVMachine(RuleBasedStateMachine):
     @invariant()
     def kv_contents_match(self) -> None:
         self.check_kv_contents()
+
+    @invariant()
+    def sequences_hold_their_tokens_and_hashes(self) -> None:
+        assert self.seqs.keys() == self.tokens.keys()
+        for s, q in self.seqs.items():
+            assert q.token_ids == self.tokens[s], f"seq {s}: its tokens changed under it"
+            assert q.block_hashes == new_seq(0, q.token_ids, q.extra_key).block_hashes, (
+                f"seq {s}: block hashes out of step with its tokens"
+            )
 
     @invariant()
     def blocks_free_xor_referenced(self) -> None:
@@ -274,7 +341,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         live_slots = {
             t[pos // BS] * BS + pos % BS
             for s, t in tables.items()
-            for pos in range(self.mgr.num_computed_tokens(s))
+            for pos in range(self.seqs[s].num_computed_tokens)
         }
         used = {b for t in tables.values() for b in t}
         assert st_["kv_slots_live"] == len(live_slots)
@@ -287,13 +354,16 @@ class PagedKVMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for s in list(self.tokens):
             self.mgr.free(s)
+            assert self.seqs[s].num_computed_tokens == 0
         self.mgr.check_invariants()
         assert self.mgr.num_free_blocks() == NUM_BLOCKS, "freeing everything must restore capacity"
         assert self.mgr.cpu_pool.num_free_blocks == NUM_CPU_BLOCKS
         assert self.mgr.usage() == 0.0
         # ... and all of it is usable again, cached blocks included.
         everything = list(range(-NUM_BLOCKS * BS, 0))  # no other prompt uses these
-        self.mgr.allocate(self.new_id(), everything, len(everything))
+        s = new_seq(self.new_id(), everything)
+        new = self.mgr.allocate_slots(s, len(everything), self.mgr.get_computed_blocks(s))
+        assert new is not None and len(new.block_ids) == NUM_BLOCKS
         self.mgr.check_invariants()
 
 
@@ -307,15 +377,20 @@ class CollidingDigestMachine(PagedKVMachine):
     """The same machine with a digest that collides constantly: verification must still hold."""
 
     def __init__(self) -> None:
-        self._real_digest = kv_manager.hash_block_tokens
-        kv_manager.hash_block_tokens = _weak_digest
+        self._real_digest = block_hash.hash_block_tokens
+        block_hash.hash_block_tokens = _weak_digest  # what BlockHasher calls
+        try:
+            assert new_seq(0, [1] * BS).block_hashes == [_weak_digest(None, [1] * BS)]
+        except AssertionError:
+            block_hash.hash_block_tokens = self._real_digest
+            raise
         super().__init__()
 
     def teardown(self) -> None:
         try:
             super().teardown()
         finally:
-            kv_manager.hash_block_tokens = self._real_digest
+            block_hash.hash_block_tokens = self._real_digest
 
 
 _settings = settings(

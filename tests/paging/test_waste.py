@@ -8,7 +8,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from octavo.paging import ContiguousAllocator, KVAllocator, KVCacheManager, OutOfKVBlocks
+from octavo.paging import BlockHasher, ContiguousAllocator, KVAllocator, KVCacheManager, KVSeq
 from octavo.paging.waste import SLOT_KEYS, Reservation, WasteTracker, contiguous_slot_stats
 
 NUM_BLOCKS, BS = 32, 4
@@ -30,33 +30,47 @@ def test_both_allocators_satisfy_the_sum_invariant(kind: str) -> None:
     alloc = ALLOCATORS[kind]()
     assert isinstance(alloc, KVAllocator)
     rng = random.Random(0)
-    tokens: dict[int, list[int]] = {}
+    seqs: dict[int, KVSeq] = {}
     for step in range(200):
-        if tokens and rng.random() < 0.1:
-            alloc.free(rng.choice(sorted(tokens)))
-            tokens = {s: t for s, t in tokens.items() if _alive(alloc, s)}
+        if seqs and rng.random() < 0.1:
+            victim = rng.choice(sorted(seqs))
+            alloc.free(victim)
+            assert seqs[victim].num_computed_tokens == 0 and not _alive(alloc, victim)
+            seqs = {s: q for s, q in seqs.items() if _alive(alloc, s)}
         elif rng.random() < 0.3:
             prompt = [rng.randrange(5) for _ in range(rng.randint(1, 12))]
             budget = len(prompt) + rng.randint(1, 12)
-            try:
-                alloc.allocate(
-                    step, prompt, len(prompt), reserve_tokens=budget, final_tokens=budget
-                )
-            except OutOfKVBlocks:
-                continue
-            tokens[step] = prompt
-        elif tokens:
-            seq = rng.choice(sorted(tokens))
-            if alloc.can_append_slots(seq, 1):
-                tokens[seq].append(rng.randrange(5))
-                alloc.append_slots(seq, tokens[seq], 1)
+            s = KVSeq(step, prompt, hasher=BlockHasher(BS))
+            cached = alloc.get_computed_blocks(s)
+            before = alloc.stats()
+            new = alloc.allocate_slots(
+                s,
+                len(prompt) - cached.num_tokens,
+                cached,
+                reserve_tokens=budget,
+                final_tokens=budget,
+            )
+            if new is None:
+                assert alloc.stats() == before and not _alive(alloc, step)
+            else:
+                assert s.num_computed_tokens == len(prompt)
+                seqs[step] = s
+        elif seqs:
+            s = seqs[rng.choice(sorted(seqs))]
+            if s.num_new_tokens == 0:  # else the token refused last time is still pending
+                s.append_token(rng.randrange(5))
+            computed, before = s.num_computed_tokens, alloc.stats()
+            if alloc.allocate_slots(s, 1) is None:
+                assert s.num_computed_tokens == computed and alloc.stats() == before
+            else:
+                assert s.num_computed_tokens == computed + 1
         assert slot_sum(alloc.stats()) == NUM_BLOCKS * BS
         alloc.check_invariants()
 
 
 def _alive(alloc, seq: int) -> bool:
     try:
-        alloc.num_computed_tokens(seq)
+        alloc.block_table(seq)
     except KeyError:
         return False
     return True

@@ -7,29 +7,27 @@ import math
 import pytest
 import torch
 
-from octavo.engine.sampling_params import SamplingParams
-from octavo.model.sampler import (
-    Sampler,
-    SamplingBatch,
-    apply_min_p,
-    apply_top_k_top_p,
-    compute_logprobs,
-    make_generator,
-)
+from octavo.model.sampler import Sampler, apply_min_p, apply_top_k_top_p, compute_logprobs
+from octavo.model.sampling_metadata import SamplingMetadata
+from octavo.sampling_params import SamplingParams
 
 V = 64
 sampler = Sampler()
 
 
-def batch(params, prompts=None, outputs=None, generators=None, vocab=V, eos=None):
+def batch(params, prompts=None, outputs=None, vocab=V, eos=None, indices=None):
+    """Rows' settings as the runner builds them: each row's sequence holds prompt + output;
+    `eos` is recorded in the params the way the engine's input processor does."""
     n = len(params)
-    return SamplingBatch.from_params(
-        params,
-        prompts or [[] for _ in range(n)],
-        outputs or [[] for _ in range(n)],
-        generators,
-        vocab,
-        eos_token_id=eos,
+    prompts = prompts or [[] for _ in range(n)]
+    outputs = outputs or [[] for _ in range(n)]
+    if eos is not None:
+        params = [p.clone() for p in params]
+        for p in params:
+            p.update_from_tokenizer(eos)
+    return SamplingMetadata.from_params(
+        params, [a + b for a, b in zip(prompts, outputs, strict=True)],
+        [len(a) for a in prompts], vocab, indices=indices,
     )
 
 
@@ -174,30 +172,15 @@ def test_seeded_rows_reproducible_and_batch_independent():
     assert len({alone(s) for s in range(20)}) > 1
 
 
-def test_explicit_generators_are_batch_independent():
-    logits = rand_logits(3, vocab=500, seed=4)
-    params = [SamplingParams(temperature=1.0, seed=42)] * 3
-
-    def run_alone():
-        gen = make_generator(42)
-        return [
-            sampler(logits[1:2], batch(params[:1], generators=[gen], vocab=500)).sampled_token_ids[
-                0
-            ]
-            for _ in range(5)
-        ]
-
-    def run_batched():
-        gen = make_generator(42)
-        toks = []
-        for _ in range(5):
-            gens = [None, gen, make_generator(7)]
-            toks.append(
-                sampler(logits, batch(params, generators=gens, vocab=500)).sampled_token_ids[1]
-            )
-        return toks
-
-    assert run_alone() == run_batched()
+def test_parallel_samples_of_one_seed_draw_distinct_streams():
+    """n samples of one seeded request differ by output index: same seed, same position,
+    different draws; the same (seed, index, position) always draws the same."""
+    logits = rand_logits(1, vocab=500, seed=4).expand(8, 500)
+    params = [SamplingParams(temperature=1.0, seed=42)] * 8
+    first = sampler(logits, batch(params, indices=list(range(8)), vocab=500)).sampled_token_ids
+    again = sampler(logits, batch(params, indices=list(range(8)), vocab=500)).sampled_token_ids
+    assert first == again
+    assert len(set(first)) > 1
 
 
 def test_sampling_matches_distribution():
@@ -285,7 +268,8 @@ def test_large_vocab_batch_is_fast():
     prompts = [list(range(i, i + 300)) for i in range(n)]
     outputs = [list(range(100)) for _ in range(n)]
     start = time.perf_counter()
-    b = SamplingBatch.from_params(params, prompts, outputs, None, vocab)
+    b = SamplingMetadata.from_params(params, [p + o for p, o in zip(prompts, outputs, strict=True)],
+                                     [len(p) for p in prompts], vocab)
     out = sampler(logits, b)
     assert len(out.sampled_token_ids) == n
     assert time.perf_counter() - start < 5.0

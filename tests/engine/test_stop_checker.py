@@ -1,17 +1,39 @@
-"""Stop strings across token boundaries, stream hold-back, and finish reasons."""
+"""Stop strings across token boundaries, stream hold-back, and finish reasons: the scheduler's
+token checks (EOS, stop ids, length) composed with the output processor's text checks."""
 
 from __future__ import annotations
 
 from octavo.engine.detokenizer import IncrementalDetokenizer
-from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.stop_checker import (
     StopDecision,
-    StreamBuffer,
-    check_stop,
+    check_text_stop,
+    check_token_stop,
     find_stop_string,
     partial_stop_len,
-    stop_hold_back,
 )
+from octavo.sampling_params import SamplingParams
+
+
+def check_stop(params, output_ids, text, new_chars, eos, prompt_len, max_model_len):
+    """The decision the engine reaches for a sequence after one token: the scheduler's check
+    on the tokens, then the output processor's on the detokenized text."""
+    token = check_token_stop(params, output_ids, eos, prompt_len, max_model_len)
+    return check_text_stop(params, token, len(output_ids), text, new_chars)
+
+
+class StreamBuffer:
+    """What a streaming client receives: the output processor's held-back text (everything but
+    a tail that could still become a stop string), as deltas."""
+
+    def __init__(self, stop, include_stop_str_in_output=False):
+        self.stop = [] if include_stop_str_in_output else list(stop)
+        self.sent = 0
+
+    def delta(self, text, finished=False):
+        end = len(text) if finished else len(text) - partial_stop_len(text, self.stop)
+        end = max(end, self.sent)
+        out, self.sent = text[self.sent : end], end
+        return out
 
 
 def test_find_stop_string_only_overlapping_new_text():
@@ -30,9 +52,6 @@ def test_find_stop_string_earliest_wins():
 
 
 def test_hold_back_sizes():
-    assert stop_hold_back(["ab", "abcd"]) == 3
-    assert stop_hold_back(["abcd"], include_stop_str_in_output=True) == 0
-    assert stop_hold_back([]) == 0
     assert partial_stop_len("xxab", ["abcd"]) == 2
     assert partial_stop_len("xxabcd", ["abcd"]) == 0  # complete: the stop checker's job
     assert partial_stop_len("xx", ["abcd", "x!"]) == 1

@@ -1,26 +1,18 @@
 """Per-request sampling settings, with vLLM's names, defaults and validation.
 
 Names and defaults follow vLLM so that users (and the OpenAI server layer) can pass the same
-arguments. Validation happens once, at construction, so the engine and sampler can trust the
-values and never re-check them on the hot path.
+arguments. Validation happens once, at construction, so the engine and runner can trust the
+values and never re-check them on the hot path. A neutral module: every layer may import it,
+and it imports nothing of octavo.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by a
 # near-zero temperature overflows, and the result is argmax anyway.
 SAMPLING_EPS = 1e-5
-
-
-class SamplingType(IntEnum):
-    """How the sampler picks a row's token; lets the engine group rows cheaply."""
-
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
 
 
 @dataclass
@@ -121,21 +113,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the row takes argmax (temperature below SAMPLING_EPS)."""
         return self.temperature < SAMPLING_EPS
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.is_greedy:
-            return SamplingType.GREEDY
-        if self.seed is not None:
-            return SamplingType.RANDOM_SEED
-        return SamplingType.RANDOM
-
-    @property
-    def output_text_buffer_length(self) -> int:
-        """Characters to hold back while streaming so a partial stop string never leaks."""
-        if not self.stop or self.include_stop_str_in_output:
-            return 0
-        return max(len(s) for s in self.stop) - 1
 
     def update_from_tokenizer(self, eos_token_id: int | None) -> None:
         """Record EOS among the tokens banned before min_tokens (unless ignore_eos)."""

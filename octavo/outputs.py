@@ -1,13 +1,27 @@
-"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes.
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput / Logprob shapes.
 
 Outputs are cumulative (the whole text and token list so far), as vLLM's default; a streaming
-server takes the delta itself.
+server takes the delta itself. A neutral module: every layer may import it (the runner builds
+Logprobs, the engine RequestOutputs, the server reads both).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+
+@dataclass
+class Logprob:
+    """Logprob of one token at one position; rank 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's logprobs: the top-k tokens in descending order (ranks 1..k), then the
+# chosen token if it was not among them.
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -16,7 +30,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, Any]] | None
+    logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
 
@@ -29,7 +43,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, Any] | None] | None
+    prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams, SamplingType
+from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -16,18 +16,17 @@ def test_defaults_match_vllm():
     assert p.logprobs is None and p.prompt_logprobs is None
     assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
     assert not p.include_stop_str_in_output
-    assert p.sampling_type is SamplingType.RANDOM and not p.is_greedy
+    assert not p.is_greedy
 
 
 def test_normalisation_and_types():
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     assert SamplingParams(top_k=-1).top_k == 0
-    assert SamplingParams(temperature=0.0).sampling_type is SamplingType.GREEDY
+    assert SamplingParams(temperature=0.0).is_greedy
     assert SamplingParams(temperature=1e-6).is_greedy
-    assert SamplingParams(seed=3).sampling_type is SamplingType.RANDOM_SEED
+    assert not SamplingParams(seed=3).is_greedy
     assert SamplingParams(max_tokens=None).max_tokens is None
-    assert SamplingParams(stop=["ab", "abcd"]).output_text_buffer_length == 3
     p = SamplingParams(stop_token_ids=[5])
     p.update_from_tokenizer(2)
     assert p.all_stop_token_ids == {2, 5}

@@ -1,0 +1,233 @@
+"""EngineArgs: every engine option, once, with its default, type, help text and validation.
+
+`LLM(**kwargs)` and the flags of `octavo serve | generate | chat | demo | bench` are generated
+from the fields below, so an option exists everywhere as soon as it exists here, and the
+defaults live nowhere else. Validation runs at construction, before any weight loads, and names
+the option the way the caller spelled it: `block_size` from Python, `--block-size` from the
+command line. A neutral module: stdlib only, so the CLI parses and fails fast without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from octavo.config import SchedulerConfig
+
+SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+class EngineArgsError(ValueError):
+    """A bad engine option; `option` is its field name (the CLI shows it as a flag)."""
+
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"{option}: {problem}")
+        self.option = option
+        self.problem = problem
+
+
+def _opt(default: Any, help: str, *, choices: Iterable[Any] | None = None,
+         check: Callable[[Any], str | None] | None = None, cli: bool = True) -> Any:
+    """A field with its help text, allowed values and a check returning a problem or None."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "check": check,
+            "cli": cli}
+    return field(default=default, metadata=meta)
+
+
+def _at_least(low: int | float) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if v is None or v >= low else f"must be >= {low}, got {v}"
+    return check
+
+
+def _fraction(v: float) -> str | None:
+    return None if 0.0 < v <= 1.0 else f"must be in (0, 1], got {v}"
+
+
+def _type_problem(kind: str, value: Any) -> str | None:
+    if value is None:
+        return None if "None" in kind else "must be given, got None"
+    base = kind.split("|")[0].strip()
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, int | float) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+    }[base]
+    return None if ok else f"must be {'a ' + base if base != 'int' else 'an int'}, got {value!r}"
+
+
+def _device(v: str) -> str | None:
+    return None if _DEVICE.match(v) else f"must be 'cpu', 'cuda' or 'cuda:N', got {v!r}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    # -- model ----------------------------------------------------------------------------
+    model: str | None = _opt(
+        None, "local HF Llama-family directory (default: the embedded SmolLM2-135M-Instruct)")
+    dtype: str = _opt("float32", "weights, activations and KV cache dtype",
+                      choices=SUPPORTED_DTYPES)
+    device: str = _opt("cpu", "cpu, cuda or cuda:N", check=_device)
+    seed: int = _opt(0, "seed of the global RNG (unseeded sampling)")
+    max_model_len: int | None = _opt(
+        None, "longest sequence, prompt plus output (default: what the model and the KV cache "
+        "allow)", check=_at_least(1))
+    # -- KV cache -------------------------------------------------------------------------
+    block_size: int = _opt(16, "tokens per KV block", choices=SUPPORTED_BLOCK_SIZES)
+    num_kv_blocks: int | None = _opt(
+        None, "KV blocks to allocate (overrides the memory-based sizing)", check=_at_least(1))
+    kv_cache_memory_bytes: int | None = _opt(
+        None, "KV cache size in bytes (default: 1 GiB on CPU; on CUDA what "
+        "gpu_memory_utilization leaves after the weights)", check=_at_least(1))
+    gpu_memory_utilization: float = _opt(
+        0.9, "share of the GPU's memory the engine may use, weights included", check=_fraction)
+    swap_space: float | None = _opt(
+        None, "host memory for swapped-out KV blocks, GiB (default: as many host blocks as "
+        "device blocks with preemption_mode=swap, else none)", check=_at_least(0))
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of identical prompt prefixes")
+    kv_allocator: str = _opt(
+        "paged", "paged, or the contiguous reserve-up-front baseline (for benchmarks)",
+        choices=("paged", "contiguous"))
+    contiguous_reserve: str = _opt(
+        "max_model_len", "what the contiguous baseline reserves per sequence",
+        choices=("max_model_len", "request"))
+    # -- scheduler ------------------------------------------------------------------------
+    max_num_seqs: int = _opt(256, "sequences running at once", check=_at_least(1))
+    max_num_batched_tokens: int = _opt(
+        2048, "tokens per engine step; longer prompts are prefilled in chunks",
+        check=_at_least(1))
+    preemption_mode: str = _opt("recompute", "what a preempted request gives up",
+                                choices=("recompute", "swap"))
+    scheduling_policy: str = _opt("fcfs", "fcfs, or priority (lower value first)",
+                                  choices=("fcfs", "priority"))
+    # -- kernels --------------------------------------------------------------------------
+    attention_backend: str = _opt(
+        "auto", "auto, torch (gather + SDPA) or cpu (the compiled paged-decode kernel)",
+        choices=("auto", "torch", "cpu"))
+    linear_backend: str = _opt(
+        "auto", "auto, torch or onednn (pre-packed oneDNN weights on CPU)",
+        choices=("auto", "torch", "onednn"))
+    fused_ops: str = _opt("auto", "auto, torch or cpu (compiled RMSNorm / RoPE / SiLU-and-mul)",
+                          choices=("auto", "torch", "cpu"))
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            choices, check = f.metadata["choices"], f.metadata["check"]
+            problem = _type_problem(str(f.type), value)
+            if problem is not None:
+                raise EngineArgsError(f.name, problem)
+            if choices is not None and value not in choices:
+                allowed = ", ".join(map(str, choices))
+                raise EngineArgsError(f.name, f"{value!r} is not one of {allowed}")
+            problem = check(value) if check is not None else None
+            if problem is not None:
+                raise EngineArgsError(f.name, problem)
+
+    # -- derived configs ------------------------------------------------------------------
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """`max_model_len` is the resolved one (what the KV cache and the model allow)."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            preemption_mode=self.preemption_mode,
+            scheduling_policy=self.scheduling_policy,
+        )
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return from_kwargs(**{**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+OPTION_NAMES = tuple(f.name for f in fields(EngineArgs))
+
+
+def from_kwargs(**kwargs: Any) -> EngineArgs:
+    """EngineArgs from Python keywords, with a clear error for a misspelt name."""
+    unknown = [k for k in kwargs if k not in OPTION_NAMES]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise TypeError(f"unknown engine option {name!r}{hint} (options: "
+                        f"{', '.join(OPTION_NAMES)})")
+    return EngineArgs(**kwargs)
+
+
+# -- command line -----------------------------------------------------------------------------
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_cli_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
+                 exclude: Iterable[str] = (), overrides_only: bool = False) -> None:
+    """One flag per option. `overrides_only`: no defaults, so only the flags given show up in
+    the namespace (for `octavo bench`, whose benchmarks choose their own engine settings)."""
+    skip = set(exclude)
+    defaults = EngineArgs()
+    for f in fields(EngineArgs):
+        if f.name in skip or not f.metadata["cli"]:
+            continue
+        default = argparse.SUPPRESS if overrides_only else getattr(defaults, f.name)
+        kw: dict[str, Any] = {"dest": f.name, "default": default}
+        help_text = f.metadata["help"]
+        if not overrides_only and "default" not in help_text:
+            help_text += " (default: %(default)s)"
+        if f.type in ("bool", bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _cli_type(f)
+            kw["metavar"] = f.name.upper()
+            if f.metadata["choices"] is not None:
+                kw["choices"] = f.metadata["choices"]
+                kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+        parser.add_argument(flag(f.name), help=help_text, **kw)
+
+
+def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
+    kind = str(f.type)
+    if kind.startswith("int"):
+        return int
+    if kind.startswith("float"):
+        return float
+    return str
+
+
+def from_cli_args(ns: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from a parsed namespace; a bad value is reported with its flag."""
+    given = {name: getattr(ns, name) for name in OPTION_NAMES if hasattr(ns, name)}
+    try:
+        return EngineArgs(**given)
+    except EngineArgsError as e:
+        raise EngineArgsError(flag(e.option), e.problem) from None
+
+
+def to_cli_flags(options: dict[str, Any]) -> list[str]:
+    """The command-line spelling of some options (for a subprocess such as `octavo serve`)."""
+    out: list[str] = []
+    for name, value in options.items():
+        if name not in OPTION_NAMES:
+            raise TypeError(f"unknown engine option {name!r}")
+        if isinstance(value, bool):
+            out.append(flag(name) if value else "--no-" + flag(name)[2:])
+        elif value is not None:
+            out += [flag(name), str(value)]
+    return out
+
+
+def cli_overrides(ns: argparse.Namespace, exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """The engine flags given on the command line (see add_cli_args(overrides_only=True)),
+    less `exclude` (names the caller's own flags use)."""
+    skip = set(exclude)
+    return {n: getattr(ns, n) for n in OPTION_NAMES if n not in skip and hasattr(ns, n)}

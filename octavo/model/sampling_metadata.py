@@ -1,0 +1,116 @@
+"""SamplingMetadata: one step's per-row sampling settings as tensors, the sampler's only input
+besides the logits.
+
+The runner builds it each step from what it keeps of each sequence (its SamplingParams, tokens
+and output index); the sampler itself never sees a SamplingParams. Seeded rows get a generator
+derived from (seed, output index, tokens generated so far): the same draw for the same position
+whatever else is batched with it, after a preemption and recompute too, and a different stream
+for each of the n parallel samples of one request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from octavo.sampling_params import SAMPLING_EPS, SamplingParams
+
+
+def seeded_generator(seed: int, index: int, num_output_tokens: int,
+                     device: torch.device | str = "cpu") -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(hash((seed, index, num_output_tokens)) & (2**63 - 1))
+    return gen
+
+
+@dataclass
+class SamplingMetadata:
+    temperatures: Tensor  # [N] float32; 1.0 for greedy rows (never divided by zero)
+    top_ps: Tensor  # [N] float32
+    top_ks: Tensor  # [N] int64; vocab_size when disabled
+    min_ps: Tensor  # [N] float32
+    presence_penalties: Tensor  # [N] float32
+    frequency_penalties: Tensor  # [N] float32
+    repetition_penalties: Tensor  # [N] float32
+    greedy: Tensor  # [N] bool
+    generators: list[torch.Generator | None]  # None = global RNG
+    output_token_ids: list[list[int]]  # filled only when some row has penalties
+    prompt_token_ids: list[list[int]]  # filled only when some row has penalties
+    banned_token_ids: list[list[int]]  # EOS/stop ids suppressed this step (min_tokens)
+    num_logprobs: list[int | None]
+    vocab_size: int
+    # Shortcuts so a plain batch skips work it does not need.
+    all_greedy: bool = False
+    do_penalties: bool = False
+    do_top_k: bool = False
+    do_top_p: bool = False
+    do_min_p: bool = False
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        token_ids: Sequence[Sequence[int]],
+        num_prompt_tokens: Sequence[int],
+        vocab_size: int,
+        *,
+        indices: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Gather the rows' settings into tensors. Row r's sequence holds `token_ids[r]`, the
+        first `num_prompt_tokens[r]` of them its prompt; `indices`: each row's output index
+        among its request's n (0 when omitted). EOS is banned with the stop ids while a row
+        has fewer than min_tokens outputs when the engine recorded it in the params
+        (SamplingParams.update_from_tokenizer)."""
+        n = len(params)
+        if not (len(token_ids) == len(num_prompt_tokens) == n):
+            raise ValueError("params, token_ids and num_prompt_tokens differ in length")
+        indices = indices if indices is not None else [0] * n
+        num_outputs = [len(t) - p for t, p in zip(token_ids, num_prompt_tokens, strict=True)]
+        generators = [
+            None if p.seed is None else seeded_generator(p.seed, i, k, device)
+            for p, i, k in zip(params, indices, num_outputs, strict=True)
+        ]
+        greedy = [p.temperature < SAMPLING_EPS for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        top_ks = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
+        banned = [
+            sorted(i for i in p.all_stop_token_ids if 0 <= i < vocab_size)
+            if k < p.min_tokens else []
+            for p, k in zip(params, num_outputs, strict=True)
+        ]
+        do_penalties = any(
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+            for p in params
+        )
+
+        def f32(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        non_greedy = [p for p, g in zip(params, greedy, strict=True) if not g]
+        return cls(
+            temperatures=f32(temps),
+            top_ps=f32([p.top_p for p in params]),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=f32([p.min_p for p in params]),
+            presence_penalties=f32([p.presence_penalty for p in params]),
+            frequency_penalties=f32([p.frequency_penalty for p in params]),
+            repetition_penalties=f32([p.repetition_penalty for p in params]),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            generators=generators,
+            output_token_ids=[list(t[k:]) for t, k in zip(token_ids, num_prompt_tokens,
+                                                          strict=True)] if do_penalties else [],
+            prompt_token_ids=[list(t[:k]) for t, k in zip(token_ids, num_prompt_tokens,
+                                                          strict=True)] if do_penalties else [],
+            banned_token_ids=banned,
+            num_logprobs=[p.logprobs for p in params],
+            vocab_size=vocab_size,
+            all_greedy=all(greedy),
+            do_penalties=do_penalties,
+            do_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy, strict=True) if not g),
+            do_top_p=any(p.top_p < 1.0 for p in non_greedy),
+            do_min_p=any(p.min_p > 0.0 for p in non_greedy),
+        )
