@@ -54,7 +54,9 @@ class OutputProcessor:
         stopped: list[Sequence] = []
         for update in updates:
             request = update.request
-            state = self._states[request.request_id]
+            state = self._states.get(request.request_id)
+            if state is None:
+                continue  # aborted since
             if update.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 start, entries = update.prompt_logprobs
                 # entry t scores prompt token start + t + 1; a recomputed chunk repeats some

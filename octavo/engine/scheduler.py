@@ -64,7 +64,7 @@ class Scheduler:
 
     def abort_request(self, request: Request) -> None:
         """Take a request out of whatever queue holds it and free all its blocks at once."""
-        for queue in (self.waiting, self.running, self.swapped):
+        for queue in (self.waiting, self.running, self.swapped, self._ignored):
             if request in queue:
                 queue.remove(request)
         for seq in request.seqs:

@@ -122,3 +122,25 @@ def test_prompt_and_sample_logprobs_under_chunked_prefill(hf_model, prompts):
         check_prompt_logprobs(hf_model, p, out.prompt_logprobs, 2)
         check_sample_logprobs(hf_model, p, out.outputs[0])
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_prompt_logprobs_survive_preemption(hf_model, prompts, mode):
+    """A request preempted while (or after) its prompt is scored recomputes that prompt: each
+    position's prompt logprobs still appear exactly once, and equal HF's."""
+    llm = LLM(num_kv_blocks=10, block_size=16, max_num_batched_tokens=32, max_model_len=160,
+              preemption_mode=mode)
+    engine = llm.engine
+    first = engine.add_request("first", tokens_prompt(prompts[2]), SamplingParams(
+        temperature=0, max_tokens=60, ignore_eos=True))
+    scored = engine.add_request("scored", tokens_prompt(prompts[2][:80]), SamplingParams(
+        temperature=0, max_tokens=8, prompt_logprobs=2, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        engine.check_invariants()
+    assert scored.num_preemptions > 0 and first.num_preemptions == 0
+    check_prompt_logprobs(hf_model, prompts[2][:80], outs["scored"].prompt_logprobs, 2)
+    assert llm.stats()["kv_blocks_used"] == 0
