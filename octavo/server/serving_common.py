@@ -199,8 +199,15 @@ def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
                      total_tokens=prompt + completion)
 
 
+# Characters JSON leaves raw that str.splitlines() (httpx's aiter_lines, many SSE readers)
+# takes for line breaks; inside a JSON string their \u escapes mean the same.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
+                                         "\u2029": "\\u2029"})
+
+
 def sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
+    """One Server-Sent Event; `payload` is JSON, so no raw line break may stay in it."""
+    return f"data: {payload.translate(_LINE_BREAKS_JSON_KEEPS)}\n\n"
 
 
 def sse_error(e: BaseException) -> str:
