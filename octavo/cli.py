@@ -88,9 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The OpenAI-compatible HTTP server (octavo/server): one process, engine on a thread."""
     from octavo.server.launcher import run_server, server_config
 
-    llm = make_llm(args)
-    return run_server(llm, server_config(args, llm.engine.model_dir.name), args.host,
-                      args.port, args.uvicorn_log_level)
+    config = server_config(args)
+    return run_server(make_llm(args), config, args.host, args.port, args.uvicorn_log_level)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

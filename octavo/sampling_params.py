@@ -8,6 +8,7 @@ and it imports nothing of octavo.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by a
@@ -56,6 +57,9 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
+            _check_finite(name, getattr(self, name))
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
@@ -144,6 +148,8 @@ class BeamSearchParams:
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_finite("temperature", self.temperature)
+        _check_finite("length_penalty", self.length_penalty)
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
 
@@ -157,6 +163,11 @@ def _normalise_stop(stop: str | list[str] | None) -> list[str]:
     if not all(isinstance(s, str) for s in stop):
         raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
     return stop
+
+
+def _check_finite(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def _check_int(name: str, value: object) -> None:

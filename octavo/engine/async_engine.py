@@ -92,12 +92,19 @@ class RequestStream:
 
 
 @dataclass(slots=True)
-class _Add:
+class NewRequest:
     request_id: str
     prompt: str | dict
     params: SamplingParams
-    priority: int
-    stream: RequestStream
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class _Add:
+    """Several requests in one command: the engine takes all of them, or none."""
+
+    requests: list[NewRequest]
+    streams: list[RequestStream]
     future: asyncio.Future
 
 
@@ -173,22 +180,29 @@ class AsyncLLMEngine:
 
         Raises the engine's ValueError for a bad prompt, RequestAbortedError when shutting down.
         """
+        streams = await self.add_requests([NewRequest(request_id, prompt, params, priority)])
+        return streams[0]
+
+    async def add_requests(self, requests: list[NewRequest]) -> list[RequestStream]:
+        """Queue several requests in one command (one round trip to the engine thread, all in
+        the same step); all are accepted or none (the first error is raised)."""
         if not self.accepting:
             raise RequestAbortedError("the server is shutting down")
         assert self._loop is not None
-        stream = RequestStream(request_id, self)
+        streams = [RequestStream(r.request_id, self) for r in requests]
         future = self._loop.create_future()
-        self._pending_adds += 1
-        self._commands.put(_Add(request_id, prompt, params, priority, stream, future))
+        self._pending_adds += len(requests)
+        self._commands.put(_Add(list(requests), streams, future))
         try:
             await future
         except asyncio.CancelledError:
-            # The caller went away while the engine thread was busy: the add may have landed.
-            self.abort(request_id)
+            # The caller went away while the engine thread was busy: the adds may have landed.
+            for r in requests:
+                self.abort(r.request_id)
             raise
         finally:
-            self._pending_adds -= 1
-        return stream
+            self._pending_adds -= len(requests)
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished); its blocks free before next step."""
@@ -236,15 +250,21 @@ class AsyncLLMEngine:
 
     def _execute(self, cmd: Any) -> None:
         if isinstance(cmd, _Add):
+            added: list[str] = []
             try:
                 if not self._accepting:
                     raise RequestAbortedError("the server is shutting down")
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority)
+                for r in cmd.requests:
+                    self.engine.add_request(r.request_id, r.prompt, r.params, r.priority)
+                    added.append(r.request_id)
             except Exception as e:  # ValueError/TypeError for bad input: the caller's 400
+                for rid in added:
+                    self.engine.abort_request(rid)
                 self._call_soon(_set_exception, cmd.future, e)
                 return
-            self._streams[cmd.request_id] = cmd.stream
-            self._last_token_time[cmd.request_id] = None
+            for r, stream in zip(cmd.requests, cmd.streams, strict=True):
+                self._streams[r.request_id] = stream
+                self._last_token_time[r.request_id] = None
             self._call_soon(_set_result, cmd.future, None)
         elif isinstance(cmd, _Abort):
             self._forget(cmd.request_id)

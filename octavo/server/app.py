@@ -44,6 +44,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             yield
         finally:
             await engine.stop()
+            ctx.close()
 
     app = FastAPI(title="octavo", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
@@ -76,11 +77,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
-        return tokenize(ctx, body)
+        return await tokenize(ctx, body)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
-        return detokenize(ctx, body)
+        return await detokenize(ctx, body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -89,5 +90,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     # The last middleware added runs first: the key is checked before the body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
+                           protect_metrics=config.protect_metrics)
     return app

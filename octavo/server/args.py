@@ -9,6 +9,12 @@ import argparse
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 128
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 1024
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0
+DEFAULT_LIMIT_CONCURRENCY = 4096
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -18,6 +24,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` (default: env OCTAVO_API_KEY; "
                    "/health and /metrics stay open)")
+    g.add_argument("--api-key-file", default=None,
+                   help="read the API key from this file (first line), so it stays out of the "
+                   "process list")
+    g.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics needs the API key too")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API answers to (default: --model as given, or the "
                    "embedded model's name)")
@@ -25,5 +36,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="answer 503 while this many requests wait to be scheduled")
     g.add_argument("--max-request-body-bytes", type=int,
                    default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="answer 413 above this size")
+    g.add_argument("--max-prompts-per-request", type=int,
+                   default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                   help="answer 400 to a completion request with more prompts")
+    g.add_argument("--max-sequences-per-request", type=int,
+                   default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                   help="answer 400 when prompts x n exceeds this")
+    c = p.add_argument_group("connections (uvicorn's names where it has one)")
+    c.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="close a connection that has not sent a whole request head this many "
+                   "seconds after it opened (or after its last response)")
+    c.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE,
+                   help="close an idle keep-alive connection after this many seconds")
+    c.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                   help="open connections at most; past it the oldest connection still "
+                   "waiting for its request head is closed, and requests get 503")
+    c.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help="on SIGTERM / SIGINT: refuse new requests (503) and let those in flight "
+                   "finish for up to this many seconds, then abort the rest")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])

@@ -1,42 +1,70 @@
-"""What every endpoint shares: the async engine, the server's settings, a tokenizer copy.
+"""What every endpoint shares: the async engine, the server's settings, tokenizer copies.
 
-The server keeps its OWN tokenizer instance, used only on the event loop: the engine thread
-uses the engine's, and HF fast tokenizers raise "Already borrowed" when one instance is used
-from two threads. Tokenizing on the loop also keeps that CPU work off the engine thread.
+Work that grows with the input never runs on the event loop: tokenizing a prompt and rendering
+a chat template go to one worker thread (HF's Rust tokenizer releases the GIL while it works),
+after a check that costs nothing: a text longer than max_model_len tokens of the vocabulary's
+longest token cannot fit, and is refused without being tokenized. The worker and the loop each
+have their OWN tokenizer instance (the loop's only decodes single tokens for logprobs), and the
+engine thread has the engine's: HF fast tokenizers raise "Already borrowed" when one instance
+is used from two threads.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import AutoTokenizer
 
 from octavo.engine.async_engine import AsyncLLMEngine
-from octavo.server.args import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from octavo.server.args import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    DEFAULT_TIMEOUT_KEEP_ALIVE,
+)
 from octavo.server.errors import OpenAIError, bad_request
 from octavo.server.metrics import ServerMetrics
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class ServerConfig:
-    """Settings of the HTTP layer (the engine's are in EngineConfig)."""
+    """Settings of the HTTP layer (the engine's are in EngineArgs)."""
 
     served_model_names: list[str] = field(default_factory=list)
     api_key: str | None = None
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_logprobs: int = MAX_LOGPROBS
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    protect_metrics: bool = False
+    # connections and shutdown (server/connections.py, launcher.py)
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
+    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
-        if self.max_request_body_bytes < 1:
-            raise ValueError(
-                f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
-            )
+        for name in ("max_request_body_bytes", "max_prompts_per_request",
+                     "max_sequences_per_request", "limit_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("header_timeout", "timeout_keep_alive", "shutdown_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class ServerContext:
@@ -53,9 +81,20 @@ class ServerContext:
         self.max_num_seqs = llm.args.max_num_seqs
         self.scheduling_policy = llm.args.scheduling_policy
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
+        self._worker_tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="octavo-tokenize")
+        longest = max((len(s) for s in self._token_texts()), default=1)
+        self.max_prompt_chars = self.max_model_len * max(longest, 1)
         self.metrics = ServerMetrics(self.model_name, engine.stats)
         engine.observer = self.metrics
         self._token_strs: dict[int, str] = {}
+
+    def _token_texts(self) -> list[str]:
+        tok = self.tokenizer
+        return [tok.convert_tokens_to_string([t]) for t in tok.get_vocab()]
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
     # ---- checks shared by the generating endpoints ---------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -77,9 +116,24 @@ class ServerContext:
         if bad is not None:
             raise bad_request(f"token id {bad} is out of range [0, {self.vocab_size})", param)
 
-    # ---- tokens --------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    # ---- tokens (off the event loop) -----------------------------------------------------
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"the prompt has {num_chars} characters: more than max_model_len "
+                f"({self.max_model_len}) tokens of this vocabulary can hold (at most "
+                f"{self.max_prompt_chars} characters)", param,
+            )
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def encode(self, text: str, add_special_tokens: bool = True,
+                     param: str = "prompt") -> list[int]:
+        self.check_prompt_chars(len(text), param)
+        ids = await self._off_loop(
+            lambda: self._worker_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(ids)
 
     def token_str(self, token_id: int) -> str:
         """The text of one token as logprobs show it (cached: the same ids recur)."""
@@ -89,18 +143,36 @@ class ServerContext:
             self._token_strs[token_id] = s
         return s
 
-    def apply_chat_template(
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._off_loop(self._worker_tokenizer.decode, token_ids)
+
+    async def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> list[int]:
-        if not self.tokenizer.chat_template:
+        if not self._worker_tokenizer.chat_template:
             raise bad_request("the model's tokenizer has no chat template", "messages")
-        try:
-            ids = self.tokenizer.apply_chat_template(
+        self.check_prompt_chars(sum(_text_length(m) for m in messages), "messages")
+
+        def render() -> list[int]:
+            return list(self._worker_tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt and not
                 continue_final_message, continue_final_message=continue_final_message,
                 tokenize=True, return_dict=False,
-            )
+            ))
+
+        try:
+            return await self._off_loop(render)
         except Exception as e:  # jinja errors, a template's own raise_exception(...)
             raise bad_request(f"could not apply the chat template: {e}", "messages") from e
-        return list(ids)
+
+
+def _text_length(value: Any) -> int:
+    """Characters of text anywhere in a message (content, content parts, names, ...)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_length(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_text_length(v) for v in value)
+    return 0

@@ -55,19 +55,33 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic names the member of a union it tried (`prompt.list[int].0`): not a field."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
     parts, first_param = [], None
     for err in errors[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_type_tag(x)]
         param = ".".join(loc) or None
-        first_param = first_param or param
+        msg = str(err.get("msg"))
         if err.get("type") == "json_invalid":
-            parts.append(f"invalid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            parts.append(f"invalid JSON: {err.get('ctx', {}).get('error', msg)}")
+        elif param is None and msg.startswith("Value error, "):
+            # a whole-request check (protocol.RequestModel) names the field itself
+            msg = msg.removeprefix("Value error, ")
+            param = msg.split(":", 1)[0] if ":" in msg else None
+            parts.append(msg)
         else:
-            parts.append(f"{param or 'body'}: {err.get('msg')}")
+            parts.append(f"{param or 'body'}: {msg}")
+        first_param = first_param or param
     return "; ".join(parts), first_param
 
 

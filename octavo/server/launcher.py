@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Generator
+from pathlib import Path
 
 import uvicorn
 
@@ -51,12 +52,37 @@ class OctavoServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def server_config(args: argparse.Namespace, default_name: str) -> ServerConfig:
+def read_api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e}") from e
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file} holds no key")
+        return key
+    return args.api_key or os.environ.get("OCTAVO_API_KEY") or None
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's settings from its flags; call before loading the model (fail fast)."""
+    key = read_api_key(args)
+    if args.protect_metrics and not key:
+        raise ValueError("--protect-metrics needs an API key (--api-key or --api-key-file)")
     return ServerConfig(
-        served_model_names=list(args.served_model_name or [args.model or default_name]),
-        api_key=args.api_key or os.environ.get("OCTAVO_API_KEY") or None,
+        # empty: the model directory's name (filled in by ServerContext)
+        served_model_names=list(args.served_model_name or ([args.model] if args.model else [])),
+        api_key=key,
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_sequences_per_request=args.max_sequences_per_request,
+        protect_metrics=args.protect_metrics,
+        header_timeout=args.header_timeout,
+        timeout_keep_alive=args.timeout_keep_alive,
+        limit_concurrency=args.limit_concurrency,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from octavo.server.errors import error_body
 
-# Liveness probes and Prometheus scrapers carry no key, as in vLLM.
+# Liveness probes and Prometheus scrapers carry no key, as in vLLM (unless --protect-metrics).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
@@ -26,19 +26,28 @@ async def send_error(send: Send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def bearer_token(header: bytes) -> bytes:
+    """The credentials of `Authorization: Bearer <token>`; the scheme is case-insensitive
+    (RFC 9110), surrounding blanks are ignored. Empty when the scheme is another one."""
+    scheme, _, token = header.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
+
+
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` matches; constant-time comparison."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+        self.open_paths = OPEN_PATHS - ({"/metrics"} if protect_metrics else set())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if (scope["type"] != "http" or scope["path"] in self.open_paths
+                or scope["method"] == "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
+        if not given or not hmac.compare_digest(given, self.expected):
             await send_error(send, 401, "missing or invalid API key (Authorization: Bearer ...)")
             return
         await self.app(scope, receive, send)

@@ -1,9 +1,12 @@
 """OpenAI's HTTP protocol (plus vLLM's extensions) as pydantic models.
 
-Requests are validated for *types* here (a wrong type becomes a 400 through errors.py);
-*values* (temperature range, n >= 1, ...) are left to SamplingParams so the server and the
-offline API reject exactly the same things with the same messages. Unknown fields are ignored,
-as OpenAI-compatible servers do, so newer clients keep working.
+Requests are validated strictly for *types* here, as OpenAI's spec types them (a wrong type
+becomes a 400 through errors.py): booleans are JSON booleans, integers (token ids, n, seeds)
+JSON integers, numbers finite (no Infinity, 1e999 or NaN), roles one of the known ones, and
+every string valid Unicode (no lone surrogate, which no tokenizer can encode). *Values*
+(temperature range, n >= 1, ...) are left to SamplingParams so the server and the offline API
+reject exactly the same things with the same messages. Unknown fields are ignored, as
+OpenAI-compatible servers do, so newer clients keep working.
 """
 
 from __future__ import annotations
@@ -11,11 +14,48 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def _first_unencodable(value: Any, path: str) -> str | None:
+    """The path of the first string (at any depth) that is not valid Unicode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{path}: text is not valid Unicode (a lone surrogate at character {e.start})"
+        return None
+    if isinstance(value, BaseModel):
+        extra = value.__pydantic_extra__ or {}
+        items = [(k, getattr(value, k)) for k in type(value).model_fields] + list(extra.items())
+    elif isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list | tuple):
+        items = list(enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        problem = _first_unencodable(item, f"{path}.{key}" if path else str(key))
+        if problem is not None:
+            return problem
+    return None
+
+
+class RequestModel(OpenAIBaseModel):
+    """What clients send: strict types, finite numbers, encodable text."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _text_is_unicode(self) -> RequestModel:
+        problem = _first_unencodable(self, "")
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -31,7 +71,7 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # ---- shared pieces -------------------------------------------------------------------------
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
@@ -42,7 +82,7 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestModel):
     """Sampling fields common to completions and chat (OpenAI's, then vLLM's extensions)."""
 
     model: str | None = None
@@ -107,10 +147,14 @@ class CompletionResponse(OpenAIBaseModel):
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
-class ChatMessage(OpenAIBaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
-    role: str
+
+class ChatMessage(OpenAIBaseModel):
+    # name, tool_call_id, ... reach the template; the request checks the text (RequestModel)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    role: Role
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -198,7 +242,7 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: either `prompt` or chat `messages`."""
 
     model: str | None = None
@@ -216,7 +260,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -84,8 +84,8 @@ async def create_chat_completion(
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else (
         body.max_tokens)
-    ids = ctx.apply_chat_template(messages_to_dicts(body.messages), body.add_generation_prompt,
-                                  body.continue_final_message)
+    ids = await ctx.apply_chat_template(messages_to_dicts(body.messages),
+                                        body.add_generation_prompt, body.continue_final_message)
     check_context_length(ctx, len(ids), max_tokens, "messages")
     params = to_sampling_params(ctx, body, max_tokens=max_tokens, logprobs=top_k)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

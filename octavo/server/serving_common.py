@@ -18,7 +18,12 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from octavo.engine.async_engine import EngineStepError, RequestAbortedError, RequestStream
+from octavo.engine.async_engine import (
+    EngineStepError,
+    NewRequest,
+    RequestAbortedError,
+    RequestStream,
+)
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 from octavo.server.context import ServerContext
@@ -99,22 +104,16 @@ async def start_requests(
     ctx: ServerContext, base_id: str, prompts: Sequence[dict[str, Any]],
     params: SamplingParams, priority: int, param: str,
 ) -> list[RequestStream]:
-    """Submit one engine request per prompt; all or nothing (a bad one aborts the others)."""
-    streams: list[RequestStream] = []
+    """Submit one engine request per prompt, all in one command: all or nothing (the engine
+    takes none of them if one is bad)."""
+    requests = [NewRequest(base_id if len(prompts) == 1 else f"{base_id}-{i}", p, params, priority)
+                for i, p in enumerate(prompts)]
     try:
-        for i, prompt in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await ctx.engine.add_request(rid, prompt, params, priority))
+        return await ctx.engine.add_requests(requests)
     except (ValueError, TypeError) as e:
-        cancel_all(streams)
         raise bad_request(str(e), param) from e
     except RequestAbortedError as e:
-        cancel_all(streams)
         raise OpenAIError(503, str(e)) from e
-    except BaseException:
-        cancel_all(streams)
-        raise
-    return streams
 
 
 def cancel_all(streams: Sequence[RequestStream]) -> None:

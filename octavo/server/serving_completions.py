@@ -51,13 +51,33 @@ class _Prompt:
     token_ids: list[int]
 
 
-def _prompts(ctx: ServerContext, prompt: str | list) -> list[_Prompt]:
-    if isinstance(prompt, str):
-        return [_Prompt(prompt, ctx.encode(prompt))]
-    if not prompt:
+def _num_prompts(prompt: str | list) -> int:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return 1
+    return len(prompt)
+
+
+def check_request_size(ctx: ServerContext, prompt: str | list, n: int) -> None:
+    """Before any work: how many prompts, and prompts x n, one request may carry."""
+    if isinstance(prompt, list) and not prompt:
         raise bad_request("prompt must not be an empty list", "prompt")
+    count, limits = _num_prompts(prompt), ctx.config
+    if count > limits.max_prompts_per_request:
+        raise bad_request(f"the request has {count} prompts; at most "
+                          f"{limits.max_prompts_per_request} are allowed", "prompt")
+    if count * n > limits.max_sequences_per_request:
+        raise bad_request(f"{count} prompts x n={n} = {count * n} sequences; at most "
+                          f"{limits.max_sequences_per_request} are allowed per request", "n")
+
+
+async def _prompts(ctx: ServerContext, prompt: str | list) -> list[_Prompt]:
+    if isinstance(prompt, str):
+        return [_Prompt(prompt, await ctx.encode(prompt))]
     if isinstance(prompt[0], str):
-        return [_Prompt(p, ctx.encode(p)) for p in prompt]
+        for i, p in enumerate(prompt):  # every bound first, then the work
+            ctx.check_prompt_chars(len(p), f"prompt.{i}")
+        return [_Prompt(p, await ctx.encode(p, param=f"prompt.{i}"))
+                for i, p in enumerate(prompt)]
     if isinstance(prompt[0], int):
         return [_Prompt(None, list(prompt))]
     return [_Prompt(None, list(p)) for p in prompt]
@@ -68,7 +88,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     ctx.check_capacity()
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    prompts = _prompts(ctx, body.prompt)
+    check_request_size(ctx, body.prompt, body.n)
+    prompts = await _prompts(ctx, body.prompt)
     for p in prompts:
         check_context_length(ctx, len(p.token_ids), body.max_tokens, "prompt")
     prompt_logprobs = body.prompt_logprobs
@@ -80,6 +101,10 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     engine_prompts = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
     streams = await start_requests(ctx, request_id, engine_prompts, params, body.priority,
                                    "prompt")
+    if body.echo:  # the text of token-id prompts, decoded off the loop
+        for p in prompts:
+            if p.text is None:
+                p.text = await ctx.decode(p.token_ids)
     gen = _Generation(ctx, body, request_id, prompts)
     if body.stream:
         return SSEResponse(gen.stream(streams), on_close=lambda: cancel_all(streams))
@@ -104,10 +129,9 @@ class _Generation:
         self.created = int(time.time())
 
     def prompt_text(self, i: int) -> str:
-        p = self.prompts[i]
-        if p.text is None:
-            p.text = self.ctx.tokenizer.decode(p.token_ids)
-        return p.text
+        text = self.prompts[i].text
+        assert text is not None, "echo decodes token-id prompts up front"
+        return text
 
     def _logprobs(self, out: RequestOutput, o: CompletionOutput, start: int, offset: int,
                   echo: bool) -> CompletionLogprobs | None:

@@ -13,20 +13,21 @@ from octavo.server.protocol import (
 from octavo.server.serving_chat import messages_to_dicts
 
 
-def tokenize(ctx: ServerContext, body: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> TokenizeResponse:
     ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of `prompt` or `messages`")
     if body.messages is not None:
-        ids = ctx.apply_chat_template(messages_to_dicts(body.messages), body.add_generation_prompt)
+        ids = await ctx.apply_chat_template(messages_to_dicts(body.messages),
+                                            body.add_generation_prompt)
     else:
-        ids = ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        ids = await ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
     strs = [ctx.token_str(t) for t in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
                             token_strs=strs)
 
 
-def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> DetokenizeResponse:
+async def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> DetokenizeResponse:
     ctx.check_model(body.model)
     ctx.check_token_ids(body.tokens, "tokens")
-    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await ctx.decode(body.tokens))

@@ -7,6 +7,7 @@ server runs the embedded SmolLM2 so chat answers are real text.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import threading
@@ -63,15 +64,18 @@ class RunningServer:
             time.sleep(0.05)
 
 
-def start_server(model_dir: Path, *, name: str = "tiny", api_key: str | None = None,
-                 max_waiting_requests: int | None = 1024, max_request_body_bytes: int = 1 << 20,
-                 **engine_kwargs) -> RunningServer:
-    llm = LLM(model=str(model_dir), **engine_kwargs)
+SERVER_OPTIONS = {f.name for f in dataclasses.fields(ServerConfig)}
+
+
+def start_server(model_dir: Path, *, name: str = "tiny", **options) -> RunningServer:
+    """`options`: ServerConfig fields for the server (tests default to a 1 MiB body limit),
+    the rest EngineArgs for its engine."""
+    server = {"max_request_body_bytes": 1 << 20,
+              **{k: v for k, v in options.items() if k in SERVER_OPTIONS}}
+    llm = LLM(model=str(model_dir), **{k: v for k, v in options.items()
+                                       if k not in SERVER_OPTIONS})
     engine = AsyncLLMEngine(llm.engine)
-    app = build_app(engine, ServerConfig(
-        served_model_names=[name], api_key=api_key, max_waiting_requests=max_waiting_requests,
-        max_request_body_bytes=max_request_body_bytes,
-    ))
+    app = build_app(engine, ServerConfig(served_model_names=[name], **server))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -157,10 +157,10 @@ def test_api_key_off_and_from_env(tiny_server: RunningServer, monkeypatch) -> No
     args = build_parser().parse_args(["serve"])
     assert isinstance(args, argparse.Namespace) and args.api_key is None
     monkeypatch.setenv("OCTAVO_API_KEY", "from-env")
-    assert server_config(args, "m").api_key == "from-env"
+    assert server_config(args).api_key == "from-env"
     monkeypatch.delenv("OCTAVO_API_KEY")
-    config = server_config(args, "m")
-    assert config.api_key is None and config.served_model_names == ["m"]
+    config = server_config(args)
+    assert config.api_key is None and config.served_model_names == []  # the model dir's name
     assert config.max_waiting_requests == DEFAULT_MAX_WAITING_REQUESTS
 
 
