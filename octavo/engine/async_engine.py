@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from octavo.engine.engine import LLMEngine
+from octavo.engine.engine import LLMEngine, StepFailed
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 
@@ -150,6 +150,10 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
         self._thread.start()
 
+    def begin_drain(self) -> None:
+        """Refuse new requests; those in flight go on (a graceful shutdown). Thread-safe."""
+        self._accepting = False
+
     def begin_shutdown(self) -> None:
         """Refuse new requests and abort those in flight (their streams raise). Thread-safe."""
         self._accepting = False
@@ -207,6 +211,11 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished); its blocks free before next step."""
         self._commands.put(_Abort(request_id))
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not finished yet (adds in transit included)."""
+        return len(self._streams) + self._pending_adds
 
     @property
     def num_waiting(self) -> int:
@@ -275,6 +284,19 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except StepFailed as e:
+            # only the requests of that step fail; the others, waiting, go on
+            logger.error("engine step failed (%s); failing its %d requests", e.__cause__,
+                         len(e.request_ids), exc_info=e.__cause__)
+            error = EngineStepError(str(e))
+            failed = [(rid, self._streams.get(rid)) for rid in e.request_ids]
+            for rid, _ in failed:
+                self._forget(rid)
+                self.engine.abort_request(rid)
+            batch = [(s, error) for _, s in failed if s is not None]
+            if batch:
+                self._call_soon(_deliver, batch)
+            return
         except Exception as e:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(EngineStepError(f"engine step failed: {e}"))

@@ -29,6 +29,15 @@ from octavo.sampling_params import BeamSearchParams, SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class StepFailed(RuntimeError):
+    """The runner raised during a step; `request_ids` were in it (the cause is chained). The
+    caller aborts them; requests outside the step are untouched."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"engine step failed: {cause}")
+        self.request_ids = request_ids
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
@@ -92,8 +101,11 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         try:
             out = self.runner.execute(plan)
-        except BaseException:
-            self.scheduler.step_failed(plan)  # the caller aborts the requests
+        except Exception as e:
+            self.scheduler.step_failed(plan)
+            raise StepFailed(self.scheduler.request_ids_of(plan), e) from e
+        except BaseException:  # KeyboardInterrupt and the like: the caller aborts everything
+            self.scheduler.step_failed(plan)
             raise
         updates = self.scheduler.update_from_output(plan, out)
         outputs, stopped = self.output_processor.process(updates)

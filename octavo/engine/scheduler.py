@@ -403,6 +403,10 @@ class Scheduler:
                 self.running.remove(request)
             request.status = RequestStatus.FINISHED
 
+    def request_ids_of(self, plan: StepPlan) -> list[str]:
+        ids = {self.seqs[c.seq_id].request.request_id for c in plan.chunks if c.seq_id in self.seqs}
+        return sorted(ids)
+
     def step_failed(self, plan: StepPlan) -> None:
         """The runner raised: blocks handed out for this step were registered in the prefix
         cache but never computed, so nobody may hit them (the caller aborts the requests)."""

@@ -1,21 +1,28 @@
 """`octavo serve`: load the engine, build the app, run uvicorn until SIGTERM/SIGINT.
 
-uvicorn's graceful shutdown waits for open responses to finish, which for a long stream could
-be minutes, and afterwards re-raises the signal, so the process would die by SIGTERM instead of
-exiting 0. OctavoServer changes both: on the signal it stops accepting (uvicorn) AND aborts
-every request in flight (their streams end at once, blocks go back to the pool), then the
-lifespan stops the engine thread and `serve` returns 0.
+Shutdown is a drain. The first SIGTERM/SIGINT stops admitting work: new requests and /health
+get 503 (the listening socket stays open, so clients and load balancers get an answer), while
+the requests in flight run on for up to `--shutdown-timeout` seconds. When none is left, or
+the time is up, the rest are aborted (their streams end at once, blocks go back to the pool),
+uvicorn closes the connections and `serve` returns 0; a second signal aborts at once. uvicorn
+alone would re-raise the signal (dying by SIGTERM instead of exiting 0) and wait for every
+stream with no limit.
+
+If the engine thread dies, /health fails at once and `serve` exits 1, so a supervisor restarts
+it; a failed model step only fails the requests of that step (engine/async_engine.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Generator
+import time
+from collections.abc import Generator
 from pathlib import Path
 
 import uvicorn
@@ -23,21 +30,57 @@ import uvicorn
 from octavo.engine.async_engine import AsyncLLMEngine
 from octavo.llm import LLM
 from octavo.server.app import build_app
+from octavo.server.connections import uvicorn_config
 from octavo.server.context import ServerConfig
+
+logger = logging.getLogger(__name__)
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class OctavoServer(uvicorn.Server):
-    """uvicorn.Server whose exit signal also aborts in-flight requests, with no re-raise."""
+    """uvicorn.Server that drains on the first signal and exits 1 if the engine dies."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine,
+                 shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.on_exit = on_exit
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_deadline: float | None = None
+        self.exit_code = 0
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline is not None
 
     def handle_exit(self, sig: int, frame: object) -> None:  # type: ignore[override]
-        super().handle_exit(sig, frame)  # type: ignore[arg-type]
-        self.on_exit()  # queue.SimpleQueue.put: safe inside a signal handler
+        if not self.draining:
+            self.begin_drain()
+        else:  # a second signal: stop waiting
+            self.stop_now()
+
+    def begin_drain(self) -> None:
+        """Refuse new work; what is in flight may finish within the shutdown timeout."""
+        self.drain_deadline = time.monotonic() + self.shutdown_timeout
+        self.engine.begin_drain()  # a flag and a queue put: safe inside a signal handler
+
+    def stop_now(self) -> None:
+        self.engine.begin_shutdown()  # aborts whatever is still in flight
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.draining and not self.should_exit and (
+            self.engine.num_in_flight == 0 or time.monotonic() >= (self.drain_deadline or 0)
+        ):
+            left = self.engine.num_in_flight
+            if left:
+                logger.warning("shutdown timeout: aborting %d requests still in flight", left)
+            self.stop_now()
+        if self.started and not self.should_exit and not self.engine.is_running:
+            logger.error("the engine thread is not running; exiting with status 1")
+            self.exit_code = 1
+            self.stop_now()
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -50,6 +93,14 @@ class OctavoServer(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def serve_app(llm: LLM, config: ServerConfig, **uvicorn_options) -> OctavoServer:
+    """The app and its server, not started (run() it; tests run it on a thread)."""
+    engine = AsyncLLMEngine(llm.engine)
+    app = build_app(engine, config)
+    return OctavoServer(uvicorn_config(app, config, **uvicorn_options), engine,
+                        config.shutdown_timeout)
 
 
 def read_api_key(args: argparse.Namespace) -> str | None:
@@ -88,12 +139,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def run_server(llm: LLM, config: ServerConfig, host: str, port: int,
                log_level: str = "info") -> int:
-    engine = AsyncLLMEngine(llm.engine)
-    app = build_app(engine, config)
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=5)
-    server = OctavoServer(uv_config, on_exit=engine.begin_shutdown)
-    name = config.served_model_names[0]
+    server = serve_app(llm, config, host=host, port=port, log_level=log_level)
+    name = config.served_model_names[0] if config.served_model_names else llm.engine.model_dir.name
     auth = ' -H "Authorization: Bearer $OCTAVO_API_KEY"' if config.api_key else ""
     print(
         f"octavo: serving {name!r} (max_model_len {llm.engine.max_model_len}) on "
@@ -104,4 +151,4 @@ def run_server(llm: LLM, config: ServerConfig, host: str, port: int,
         file=sys.stderr, flush=True,
     )
     server.run()
-    return 0
+    return server.exit_code

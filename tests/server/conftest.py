@@ -18,13 +18,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from octavo.engine.async_engine import AsyncLLMEngine
 from octavo.llm import LLM
-from octavo.server.app import build_app
 from octavo.server.context import ServerConfig
-from octavo.server.launcher import OctavoServer
+from octavo.server.launcher import OctavoServer, serve_app
 
 API_KEY = "test-key-123"
 
@@ -74,14 +72,13 @@ def start_server(model_dir: Path, *, name: str = "tiny", **options) -> RunningSe
               **{k: v for k, v in options.items() if k in SERVER_OPTIONS}}
     llm = LLM(model=str(model_dir), **{k: v for k, v in options.items()
                                        if k not in SERVER_OPTIONS})
-    engine = AsyncLLMEngine(llm.engine)
-    app = build_app(engine, ServerConfig(served_model_names=[name], **server))
+    server = serve_app(llm, ServerConfig(served_model_names=[name], **server),
+                       log_level="warning")
+    engine = server.engine
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-    server = OctavoServer(config, on_exit=engine.begin_shutdown)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -133,28 +133,70 @@ def test_metric_names(tiny_server: RunningServer) -> None:
     assert m["octavo:generation_tokens_total"] >= 3
 
 
-def test_sigterm_aborts_in_flight_and_exits_0(tiny_llama_dir: Path) -> None:
+def start_serve_process(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "octavo.cli", "serve", "--model", str(tiny_llama_dir),
-         "--port", "0", "--num-kv-blocks", "512", "--uvicorn-log-level", "info"],
+        [sys.executable, "-m", "octavo.cli", "serve", "--model", str(model_dir),
+         "--port", "0", "--num-kv-blocks", "512", "--uvicorn-log-level", "info", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # uvicorn prints the port it bound
+        if "Uvicorn running on" in line:
+            return proc, line.split("running on ")[1].split()[0]
+    proc.kill()
+    raise AssertionError("the server did not start")
+
+
+def stream_lines(url: str, body: dict, into: list[str]) -> None:
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        into.extend(r.iter_lines())
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_llama_dir: Path) -> None:
+    """SIGTERM: new requests and /health get 503 at once, the streams in flight run to
+    their end, then the process exits 0."""
+    proc, url = start_serve_process(tiny_llama_dir, "--shutdown-timeout", "60")
     try:
-        url = None
-        for line in proc.stdout:  # uvicorn prints the port it bound
-            if "Uvicorn running on" in line:
-                url = line.split("running on ")[1].split()[0]
-                break
-        assert url, "the server did not start"
+        body = {"prompt": "story", "max_tokens": 400, "ignore_eos": True, "temperature": 1.0}
+        results: list[list[str]] = [[] for _ in range(8)]
+        threads = [threading.Thread(target=stream_lines, args=(url, body, r)) for r in results]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while not all(results) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(results), "every stream started before the signal"
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert proc.poll() is None, "it drains instead of exiting at once"
+        health = httpx.get(f"{url}/health", timeout=5)
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                             timeout=5)
+        assert health.status_code == 503 and refused.status_code == 503
+        assert "shutting down" in refused.json()["error"]["message"]
+        assert proc.wait(timeout=60) == 0
+        for t in threads:
+            t.join(timeout=10)
+        for lines in results:
+            data = [x for x in lines if x.startswith("data: ")]
+            assert data[-1] == "data: [DONE]"
+            last = json.loads(data[-2][6:])
+            assert last["choices"][0]["finish_reason"] == "length"  # ran to the end
+            texts = [json.loads(d[6:]) for d in data[:-1]]
+            assert sum(1 for c in texts if c["choices"] and c["choices"][0]["text"]) >= 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_aborts_what_outlives_the_shutdown_timeout(tiny_llama_dir: Path) -> None:
+    proc, url = start_serve_process(tiny_llama_dir, "--shutdown-timeout", "0.5")
+    try:
         lines: list[str] = []
-
-        def stream() -> None:
-            with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
-                              timeout=30) as r:
-                lines.extend(r.iter_lines())
-
-        t = threading.Thread(target=stream)
+        t = threading.Thread(target=stream_lines, args=(url, LONG, lines))
         t.start()
         deadline = time.monotonic() + 10
         while not lines and time.monotonic() < deadline:

@@ -1,0 +1,172 @@
+"""Connection hardening: what uvicorn alone does not do against idle and half-open clients.
+
+- A header timeout: a connection that has not sent a whole request head within
+  `header_timeout` seconds of opening (or of its last response) is closed. uvicorn only times
+  out idle keep-alive connections, so 20,000 clients that never finish their headers would
+  hold 20,000 file descriptors forever.
+- A cap on open connections (`limit_concurrency`): past it, the connection that has waited
+  longest for its request head is closed to make room (a client that sends its request at once,
+  a probe of /health say, always gets in), and when every connection is busy uvicorn answers
+  503 (its own `limit_concurrency`).
+- The soft file-descriptor limit is raised to the hard one, so the cap, not the OS, decides.
+- Repeated log lines (accept() failing for lack of descriptors, invalid requests) are written
+  once per interval with a count, not once per connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections import OrderedDict
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from octavo.server.context import ServerConfig
+
+LOG_INTERVAL_S = 10.0
+
+
+class ConnectionGuard:
+    """Shared by every connection of one server."""
+
+    def __init__(self, header_timeout: float, max_connections: int) -> None:
+        self.header_timeout = header_timeout
+        self.max_connections = max_connections
+        # connections waiting for a request head, oldest first
+        self.waiting: OrderedDict[int, GuardedH11Protocol] = OrderedDict()
+        self.num_header_timeouts = 0
+        self.num_evicted = 0
+
+
+class GuardedH11Protocol(H11Protocol):
+    guard: ConnectionGuard  # set on the subclass made for each server (protocol_class)
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: Any = None
+        self._wait_for_request_head()
+        guard = self.guard
+        while len(self.connections) > guard.max_connections and guard.waiting:
+            _, oldest = guard.waiting.popitem(last=False)
+            if oldest is self:
+                guard.waiting[id(self)] = self
+                break
+            guard.num_evicted += 1
+            oldest._close_idle()
+
+    def _wait_for_request_head(self) -> None:
+        """From now until a request head arrives, the header timeout runs."""
+        self._cycle_before_head = self.cycle
+        self.guard.waiting[id(self)] = self
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.guard.header_timeout, self._header_late)
+
+    def _head_arrived(self) -> bool:
+        return self.cycle is not self._cycle_before_head
+
+    def _stop_waiting(self) -> None:
+        self.guard.waiting.pop(id(self), None)
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _header_late(self) -> None:
+        self._header_timer = None
+        if self._between_requests() and not self._head_arrived():
+            self.guard.num_header_timeouts += 1
+            self._close_idle()
+
+    def _close_idle(self) -> None:
+        self._stop_waiting()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._head_arrived():
+            self._stop_waiting()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start a pipelined request
+        if not self.transport.is_closing() and self._between_requests():
+            self._wait_for_request_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_waiting()
+        super().connection_lost(exc)
+
+
+def protocol_class(guard: ConnectionGuard) -> type[GuardedH11Protocol]:
+    return type("OctavoH11Protocol", (GuardedH11Protocol,), {"guard": guard})
+
+
+class RateLimitedLog(logging.Filter):
+    """Lets the first record of each message through, then at most one per interval, saying
+    how many of the same were dropped in between."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._dropped: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = f"{record.name}:{str(record.msg).splitlines()[0][:120] if record.msg else ''}"
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+            return False
+        self._last[key] = now
+        dropped = self._dropped.pop(key, 0)
+        if dropped:
+            record.msg = f"{record.msg} (and {dropped} more like it in the last " \
+                         f"{self.interval_s:.0f} s)"
+        if record.exc_info and last is not None:
+            record.exc_info = None  # one traceback per message is enough
+        return True
+
+
+_FILTER = RateLimitedLog()
+_NOISY_LOGGERS = ("asyncio", "uvicorn.error")
+
+
+def rate_limit_noisy_logs() -> None:
+    for name in _NOISY_LOGGERS:
+        log = logging.getLogger(name)
+        if _FILTER not in log.filters:
+            log.addFilter(_FILTER)
+
+
+def raise_fd_limit() -> int:
+    """Soft RLIMIT_NOFILE up to the hard limit; returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> uvicorn.Config:
+    """uvicorn's Config with octavo's connection settings (`options`: host, port, log_level)."""
+    fds = raise_fd_limit()
+    # leave descriptors for the listening socket, model files, logs and the engine
+    cap = max(1, min(config.limit_concurrency, fds - 256))
+    guard = ConnectionGuard(config.header_timeout, cap)
+    rate_limit_noisy_logs()
+    return uvicorn.Config(
+        app, http=protocol_class(guard), timeout_keep_alive=config.timeout_keep_alive,
+        limit_concurrency=cap + 1,  # uvicorn answers 503 from this many connections on
+        timeout_graceful_shutdown=5, **options,
+    )

@@ -1,0 +1,96 @@
+"""Connection hardening: idle and half-open connections are closed after the header timeout,
+past the connection cap the longest-waiting idle one makes room, so /health keeps answering,
+and repeated log lines are written once per interval."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import httpx
+import pytest
+
+from octavo.server.connections import RateLimitedLog
+from tests.server.conftest import RunningServer, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_llama_dir):
+    s = start_server(tiny_llama_dir, num_kv_blocks=32, header_timeout=0.5,
+                     timeout_keep_alive=0.5, limit_concurrency=40)
+    yield s
+    stop_server(s)
+
+
+def connect(s: RunningServer) -> socket.socket:
+    host, port = s.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1024) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_connection_that_never_sends_a_request_is_closed(guarded):
+    silent, partial = connect(guarded), connect(guarded)
+    partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finishes its head
+    t0 = time.monotonic()
+    assert closed_by_server(silent, 5) and closed_by_server(partial, 5)
+    assert time.monotonic() - t0 < 3
+
+
+def test_a_request_in_time_is_served_and_the_idle_connection_closed_after(guarded):
+    sock = connect(guarded)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.settimeout(5)
+    assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+    assert closed_by_server(sock, 5)  # keep-alive idle past its timeout
+
+
+def test_idle_connections_past_the_cap_make_room_for_real_requests(guarded):
+    idle = [connect(guarded) for _ in range(150)]  # cap 40
+    try:
+        t0 = time.monotonic()
+        for _ in range(5):
+            r = httpx.get(f"{guarded.url}/health", timeout=2)
+            assert r.status_code == 200
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.2)
+        dropped = sum(closed_by_server(s, 0.05) for s in idle)
+        assert dropped >= 150 - 40, "the server kept more connections open than its cap"
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_repeated_log_lines_are_rate_limited():
+    log = logging.getLogger("octavo.test.ratelimit")
+    flt = RateLimitedLog(interval_s=0.2)
+    log.addFilter(flt)
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep()
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        for _ in range(1000):
+            log.error("socket.accept() out of system resource")
+        assert len(records) == 1
+        time.sleep(0.25)
+        log.error("socket.accept() out of system resource")
+        assert len(records) == 2 and "999 more like it" in records[1].getMessage()
+        log.error("another message")
+        assert len(records) == 3
+    finally:
+        log.removeHandler(handler)
