@@ -41,6 +41,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans
+    # a token, 100 all but forces it).
+    logit_bias: dict[int, float] | None = None
     # Filled by the engine from the tokenizer/config (vLLM keeps the same private fields):
     # EOS plus stop_token_ids, banned while fewer than min_tokens were generated.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
@@ -112,6 +115,13 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id)
         if any(s == "" for s in self.stop):
             raise ValueError("stop cannot contain an empty string")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias token id", token_id)
+            if token_id < 0:
+                raise ValueError(f"logit_bias token id must be non-negative, got {token_id}")
+            _check_finite("logit_bias value", bias)
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
 
     @property
     def is_greedy(self) -> bool:

@@ -70,6 +70,10 @@ class InputProcessor:
             # the engine's own copy: EOS joins the ids banned before min_tokens
             params = (params or SamplingParams()).clone()
             params.update_from_tokenizer(self.eos_token_id)
+            bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token id {bad[0]} is out of range "
+                                 f"[0, {self.vocab_size})")
         request = Request(
             request_id=request_id,
             prompt=text,

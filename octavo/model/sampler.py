@@ -1,8 +1,9 @@
 """Turns a batch of next-token logits into tokens (and logprobs), vectorised across rows.
 
 The steps and their order follow vLLM so that outputs and user expectations match:
-penalties (repetition on prompt+output, frequency/presence on output counts) -> min_tokens ban
--> greedy rows take argmax -> other rows: temperature, top-k, top-p, min-p, then sample.
+logit_bias -> penalties (repetition on prompt+output, frequency/presence on output counts)
+-> min_tokens ban -> greedy rows take argmax -> other rows: temperature, top-k, top-p, min-p,
+then sample.
 
 Sampling uses the "exponential race" (argmax of probs / q with q ~ Exp(1)), which is equivalent
 to drawing from the categorical distribution but lets each seeded row draw its own q with its
@@ -41,6 +42,12 @@ class Sampler:
         raw = logits
         # A float32 copy: every step below may then work in place without touching the caller's.
         logits = logits.to(torch.float32, copy=True)
+        if batch.logit_bias is not None:
+            rows, ids, values = batch.logit_bias
+            logits.index_put_((torch.tensor(rows, device=logits.device),
+                               torch.tensor(ids, device=logits.device)),
+                              torch.tensor(values, dtype=torch.float32, device=logits.device),
+                              accumulate=True)
         if batch.do_penalties:
             logits = apply_penalties(logits, batch)
         if any(batch.banned_token_ids):

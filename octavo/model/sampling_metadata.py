@@ -40,6 +40,8 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]  # filled only when some row has penalties
     prompt_token_ids: list[list[int]]  # filled only when some row has penalties
     banned_token_ids: list[list[int]]  # EOS/stop ids suppressed this step (min_tokens)
+    # (row, token id, bias) of every logit_bias entry of the batch
+    logit_bias: tuple[list[int], list[int], list[float]] | None
     num_logprobs: list[int | None]
     vocab_size: int
     # Shortcuts so a plain batch skips work it does not need.
@@ -82,6 +84,14 @@ class SamplingMetadata:
             if k < p.min_tokens else []
             for p, k in zip(params, num_outputs, strict=True)
         ]
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for row, p in enumerate(params):
+            for token_id, bias in (p.logit_bias or {}).items():
+                bias_rows.append(row)
+                bias_ids.append(token_id)
+                bias_values.append(bias)
         do_penalties = any(
             p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
             for p in params
@@ -106,6 +116,7 @@ class SamplingMetadata:
             prompt_token_ids=[list(t[:k]) for t, k in zip(token_ids, num_prompt_tokens,
                                                           strict=True)] if do_penalties else [],
             banned_token_ids=banned,
+            logit_bias=(bias_rows, bias_ids, bias_values) if bias_rows else None,
             num_logprobs=[p.logprobs for p in params],
             vocab_size=vocab_size,
             all_greedy=all(greedy),

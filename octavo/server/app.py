@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -18,10 +19,13 @@ from octavo import __version__
 from octavo.engine.async_engine import AsyncLLMEngine
 from octavo.server.context import ServerConfig, ServerContext
 from octavo.server.errors import OpenAIError, install_error_handlers
-from octavo.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from octavo.server.middleware import OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware
+from octavo.server.openapi import install_openapi
 from octavo.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -50,7 +54,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "the engine runs and takes requests (empty body)", "content": {}}})
     async def health() -> Response:
         if not engine.is_running:
             raise OpenAIError(503, "the engine is not running")
@@ -69,11 +74,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             for name in config.served_model_names
         ])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_class=Response, responses=generated(CompletionResponse))
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await create_completion(ctx, body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_class=Response,
+              responses=generated(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, body, raw)
 
@@ -85,13 +91,32 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         return await detokenize(ctx, body)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition format",
+        "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # The last middleware added runs first: the key is checked before the body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    open_paths = set(OPEN_PATHS)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
                            protect_metrics=config.protect_metrics)
+        if config.protect_metrics:
+            open_paths.discard("/metrics")
+    install_openapi(app, api_key=bool(config.api_key), open_paths=open_paths,
+                    vocab_size=ctx.vocab_size, max_model_len=ctx.max_model_len)
     return app
+
+
+def generated(model: type) -> dict[int | str, dict[str, Any]]:
+    """The 200 of a generating endpoint: JSON, or Server-Sent Events with `stream`."""
+    return {200: {"model": model, "description": "the completion, or with `stream: true` "
+                  "Server-Sent Events of chunks, then `data: [DONE]`",
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
+
+
+# One Server-Sent Event: `data` holds a JSON chunk (or `[DONE]`, the last one).
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}

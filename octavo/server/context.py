@@ -32,8 +32,8 @@ from octavo.server.args import (
 )
 from octavo.server.errors import OpenAIError, bad_request
 from octavo.server.metrics import ServerMetrics
+from octavo.server.protocol import MAX_LOGPROBS
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 T = TypeVar("T")
 
 

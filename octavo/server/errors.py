@@ -51,16 +51,20 @@ def error_body(status: int, message: str, param: str | None = None) -> ErrorResp
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status,
+                        headers=headers)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
 
 
 def _is_type_tag(part: object) -> bool:
-    """pydantic names the member of a union it tried (`prompt.list[int].0`): not a field."""
-    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
+    """pydantic names the member of a union it tried (`prompt.list[int].0`,
+    `stop.constrained-str`): not a field."""
+    return isinstance(part, str) and (
+        "[" in part or "-" in part or part in _TYPE_TAGS or part[:1].isupper())
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -80,7 +84,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             param = msg.split(":", 1)[0] if ":" in msg else None
             parts.append(msg)
         else:
-            parts.append(f"{param or 'body'}: {msg}")
+            parts.append(f"{param or 'body'}: {msg.removeprefix('Value error, ')}")
         first_param = first_param or param
     return "; ".join(parts), first_param
 
@@ -97,7 +101,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        # keeps Starlette's headers: `Allow` on a 405 (RFC 9110)
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -12,37 +12,54 @@ OpenAI-compatible servers do, so newer clients keep working.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+# Bounds a schema can state; what depends on the model (token ids < vocab size, prompt plus
+# max_tokens within max_model_len) is checked by the handlers.
+# "x-octavo-bound" names a bound the served model sets; server/openapi.py writes it in
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-octavo-bound": "token-id"})]
+MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={"x-octavo-bound": "max-tokens"})]
+TokenIdString = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # logit_bias keys
+StopString = Annotated[str, Field(min_length=1)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-def _first_unencodable(value: Any, path: str) -> str | None:
-    """The path of the first string (at any depth) that is not valid Unicode, or None."""
+class _Unencodable(ValueError):
+    pass
+
+
+def _normalised(value: Any, path: str) -> Any:
+    """A JSON body as the strict models read it: every string checked to be valid Unicode (a
+    lone surrogate is an error naming where it is), and every number with no fractional part
+    an integer, as JSON Schema counts them (2.0 is the integer 2; 2.5 and "2" are not)."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            return f"{path}: text is not valid Unicode (a lone surrogate at character {e.start})"
-        return None
-    if isinstance(value, BaseModel):
-        extra = value.__pydantic_extra__ or {}
-        items = [(k, getattr(value, k)) for k in type(value).model_fields] + list(extra.items())
-    elif isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, list | tuple):
-        items = list(enumerate(value))
-    else:
-        return None
-    for key, item in items:
-        problem = _first_unencodable(item, f"{path}.{key}" if path else str(key))
-        if problem is not None:
-            return problem
-    return None
+            raise _Unencodable(f"{path or 'body'}: text is not valid Unicode (a lone "
+                               f"surrogate at character {e.start})") from None
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            _normalised(key, path)
+            out[key] = _normalised(item, f"{path}.{key}" if path else str(key))
+        return out
+    if isinstance(value, list):
+        return [_normalised(item, f"{path}.{i}" if path else str(i))
+                for i, item in enumerate(value)]
+    return value
 
 
 class RequestModel(OpenAIBaseModel):
@@ -50,12 +67,11 @@ class RequestModel(OpenAIBaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    @model_validator(mode="after")
-    def _text_is_unicode(self) -> RequestModel:
-        problem = _first_unencodable(self, "")
-        if problem is not None:
-            raise ValueError(problem)
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _json_values(cls, data: Any) -> Any:
+        # before the fields: a lone surrogate gets this message wherever it sits
+        return _normalised(data, "")
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -86,25 +102,25 @@ class SamplingFields(RequestModel):
     """Sampling fields common to completions and chat (OpenAI's, then vLLM's extensions)."""
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    temperature: float | None = None
-    top_p: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    logit_bias: dict[TokenIdString, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -113,12 +129,46 @@ class SamplingFields(RequestModel):
 
 # ---- /v1/completions -----------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1)])
+    max_tokens: MaxTokens | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
     suffix: str | None = None
-    prompt_logprobs: int | None = None  # vLLM extension
+    prompt_logprobs: TopLogprobs | None = None  # vLLM extension
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """One clear message for a prompt of the wrong shape (the union's would list every
+        member)."""
+        shapes = "a string, a list of strings, a list of token ids or a list of such lists"
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: at least one token is needed")
+            return prompt
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(f"must be {shapes}" + ("; this list is empty" if prompt == []
+                                                    else ""))
+        kinds = {_prompt_kind(p) for p in prompt}
+        if len(kinds) != 1 or None in kinds:
+            raise ValueError(f"must be {shapes}, not a mix")
+        for i, p in enumerate(prompt):
+            if kinds != {"id"} and not p:
+                raise ValueError(f"prompt {i} is empty: at least one token is needed")
+        return prompt
+
+
+def _prompt_kind(p: Any) -> str | None:
+    if isinstance(p, str):
+        return "text"
+    if isinstance(p, int) and not isinstance(p, bool):
+        return "id"
+    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return "ids"
+    return None
 
 
 class CompletionLogprobs(OpenAIBaseModel):
@@ -150,20 +200,27 @@ class CompletionResponse(OpenAIBaseModel):
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
+class TextContentPart(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(OpenAIBaseModel):
     # name, tool_call_id, ... reach the template; the request checks the text (RequestModel)
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     role: Role
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextContentPart] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True  # vLLM extension
     continue_final_message: bool = False  # vLLM extension
 
@@ -242,15 +299,25 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(RequestModel):
-    """vLLM's /tokenize: either `prompt` or chat `messages`."""
+class TokenizeCompletionRequest(RequestModel):
+    """vLLM's /tokenize of a prompt."""
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str
     add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(RequestModel):
+    """vLLM's /tokenize of chat messages (through the chat template)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -262,7 +329,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIBaseModel):

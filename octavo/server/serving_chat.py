@@ -38,6 +38,7 @@ from octavo.server.serving_common import (
     SSEResponse,
     cancel_all,
     check_context_length,
+    check_max_tokens,
     client_closed,
     collect,
     engine_error,
@@ -55,18 +56,11 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     result = []
-    for i, m in enumerate(messages):
+    for m in messages:
         d = m.model_dump()
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request("only text content parts are supported",
-                                      f"messages.{i}.content")
-                texts.append(part["text"])
-            d["content"] = "".join(texts)
-        elif content is None:
+        if isinstance(m.content, list):
+            d["content"] = "".join(part.text for part in m.content)
+        elif m.content is None:
             d["content"] = ""
         result.append(d)
     return result
@@ -82,6 +76,8 @@ async def create_chat_completion(
         top_k = body.top_logprobs or 0
     elif body.top_logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    check_max_tokens(ctx, max_tokens=body.max_tokens,
+                     max_completion_tokens=body.max_completion_tokens)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else (
         body.max_tokens)
     ids = await ctx.apply_chat_template(messages_to_dicts(body.messages),

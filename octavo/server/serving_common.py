@@ -30,6 +30,8 @@ from octavo.server.context import ServerContext
 from octavo.server.errors import OpenAIError, bad_request, error_body
 from octavo.server.protocol import SamplingFields, UsageInfo
 
+LOGIT_BIAS_MAX_ENTRIES = 300  # OpenAI's limit
+
 # Status for a client that left before its answer (nginx's convention; nobody reads it).
 CLIENT_CLOSED_REQUEST = 499
 
@@ -39,8 +41,13 @@ def to_sampling_params(
     logprobs: int | None, prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Map OpenAI/vLLM request fields to SamplingParams; its ValueErrors become 400s."""
+    logit_bias = None
     if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+        if len(body.logit_bias) > LOGIT_BIAS_MAX_ENTRIES:
+            raise bad_request(f"logit_bias has {len(body.logit_bias)} entries; at most "
+                              f"{LOGIT_BIAS_MAX_ENTRIES}", "logit_bias")
+        logit_bias = {int(k): v for k, v in body.logit_bias.items()}  # the schema: digits only
+        ctx.check_token_ids(list(logit_bias), "logit_bias")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of other than n is not supported", "best_of")
     if body.n > ctx.max_num_seqs:
@@ -74,6 +81,7 @@ def to_sampling_params(
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            logit_bias=logit_bias,
         )
     except (ValueError, TypeError) as e:
         raise bad_request(str(e)) from e
@@ -81,6 +89,15 @@ def to_sampling_params(
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def check_max_tokens(ctx: ServerContext, **given: int | None) -> None:
+    """A max_tokens-like field (max_tokens, max_completion_tokens) below max_model_len, as the
+    OpenAPI document states, whether or not it is the one used."""
+    for name, value in given.items():
+        if value is not None and value >= ctx.max_model_len:
+            raise bad_request(f"{name}={value} is not below max_model_len "
+                              f"({ctx.max_model_len})", name)
 
 
 def check_context_length(ctx: ServerContext, num_prompt: int, max_tokens: int | None,

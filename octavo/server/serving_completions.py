@@ -33,6 +33,7 @@ from octavo.server.serving_common import (
     SSEResponse,
     cancel_all,
     check_context_length,
+    check_max_tokens,
     client_closed,
     collect,
     engine_error,
@@ -89,6 +90,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     check_request_size(ctx, body.prompt, body.n)
+    check_max_tokens(ctx, max_tokens=body.max_tokens)
     prompts = await _prompts(ctx, body.prompt)
     for p in prompts:
         check_context_length(ctx, len(p.token_ids), body.max_tokens, "prompt")

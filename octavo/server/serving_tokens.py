@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from octavo.server.context import ServerContext
-from octavo.server.errors import bad_request
 from octavo.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
+    TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -15,13 +15,11 @@ from octavo.server.serving_chat import messages_to_dicts
 
 async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> TokenizeResponse:
     ctx.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise bad_request("give exactly one of `prompt` or `messages`")
-    if body.messages is not None:
+    if isinstance(body, TokenizeChatRequest):
         ids = await ctx.apply_chat_template(messages_to_dicts(body.messages),
                                             body.add_generation_prompt)
     else:
-        ids = await ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        ids = await ctx.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     strs = [ctx.token_str(t) for t in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
                             token_strs=strs)

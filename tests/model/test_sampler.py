@@ -273,3 +273,17 @@ def test_large_vocab_batch_is_fast():
     out = sampler(logits, b)
     assert len(out.sampled_token_ids) == n
     assert time.perf_counter() - start < 5.0
+
+
+def test_logit_bias_is_added_before_everything_else():
+    logits = torch.zeros(3, V)
+    logits[:, 5] = 10.0
+    params = [SamplingParams(temperature=0, logit_bias={9: 11.0}),  # 9 now wins
+              SamplingParams(temperature=0, logit_bias={5: -100.0}, seed=1),  # 5 is banned
+              SamplingParams(temperature=0)]
+    out = sampler(logits, batch(params)).sampled_token_ids
+    assert out[0] == 9 and out[1] != 5 and out[2] == 5
+    with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="logit_bias token id must be non-negative"):
+        SamplingParams(logit_bias={-1: 1.0})

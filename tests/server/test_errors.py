@@ -41,7 +41,8 @@ def test_malformed_bodies_are_400(http: httpx.Client) -> None:
     assert_error(http.post("/v1/completions", json={"prompt": "x", "temperature": "hot"}), 400,
                  param="temperature")
     assert_error(http.post("/v1/chat/completions", json={"messages": "hi"}), 400)
-    assert_error(http.post("/v1/chat/completions", json={"messages": []}), 400, "empty")
+    assert_error(http.post("/v1/chat/completions", json={"messages": []}), 400,
+                 "at least 1 item", param="messages")
     assert_error(http.post("/v1/chat/completions", json={"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), 400)
 
@@ -49,7 +50,7 @@ def test_malformed_bodies_are_400(http: httpx.Client) -> None:
 @pytest.mark.parametrize("field,value,word", [
     ("temperature", -1, "temperature"),
     ("top_p", 2.0, "top_p"),
-    ("n", 0, "n must be"),
+    ("n", 0, "n: Input should be greater than or equal to 1"),
     ("max_tokens", 0, "max_tokens"),
     ("presence_penalty", 3, "presence_penalty"),
     ("min_tokens", 99, "min_tokens"),
@@ -58,7 +59,9 @@ def test_malformed_bodies_are_400(http: httpx.Client) -> None:
     ("stop_token_ids", [100000], "out of range"),
     ("priority", 3, "priority"),
     ("best_of", 3, "best_of"),
-    ("logit_bias", {"1": 5}, "logit_bias"),
+    ("logit_bias", {"1": 500}, "logit_bias"),
+    ("logit_bias", {"x1": 5}, "logit_bias"),
+    ("logit_bias", {"100000": 5}, "out of range"),
 ])
 def test_invalid_sampling_values_are_400(http: httpx.Client, field, value, word) -> None:
     body = {"prompt": "x", "max_tokens": 4, field: value}
@@ -71,7 +74,9 @@ def test_invalid_sampling_values_are_400(http: httpx.Client, field, value, word)
 def test_bad_prompts_are_400(http: httpx.Client) -> None:
     assert_error(http.post("/v1/completions", json={"prompt": ""}), 400, "empty")
     assert_error(http.post("/v1/completions", json={"prompt": []}), 400)
-    assert_error(http.post("/v1/completions", json={"prompt": [[1, 2], []]}), 400, "empty")
+    assert_error(http.post("/v1/completions", json={"prompt": [[1, 2], []]}), 400,
+                 "prompt 1 is empty", param="prompt")
+    assert_error(http.post("/v1/completions", json={"prompt": ["a", [1]]}), 400, "not a mix")
     assert_error(http.post("/v1/completions", json={"prompt": [3, 999]}), 400, "999")
     assert_error(http.post("/v1/completions", json={"prompt": [-1]}), 400)
     # longer than max_model_len (512): both numbers in the message

@@ -54,10 +54,12 @@ def test_numbers_must_be_finite_json_numbers(http, field, value):
     ({"stream": "yes"}, "stream"),
     ({"stream": 1}, "stream"),
     ({"echo": "true"}, "echo"),
-    ({"n": 2.0}, "n"),
+    ({"n": 2.5}, "n"),
+    ({"n": True}, "n"),
     ({"max_tokens": "4"}, "max_tokens"),
     ({"seed": 1.5}, "seed"),
-    ({"stop_token_ids": [1.0]}, "stop_token_ids.0"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids.0"),
+    ({"stop_token_ids": ["1"]}, "stop_token_ids.0"),
 ])
 def test_types_are_strict(http, extra, param):
     r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, **extra})
@@ -66,11 +68,23 @@ def test_types_are_strict(http, extra, param):
 
 
 def test_token_ids_must_be_integers(http):
-    assert_error(http.post("/v1/completions", json={"prompt": [1.0, 2.0], "max_tokens": 1}),
+    assert_error(http.post("/v1/completions", json={"prompt": [1.5, 2], "max_tokens": 1}),
                  400, param="prompt")
     assert_error(http.post("/v1/completions", json={"prompt": [[3, 4], [5.5]], "max_tokens": 1}),
                  400, param="prompt")
-    assert_error(http.post("/detokenize", json={"tokens": [104.0]}), 400)
+    assert_error(http.post("/v1/completions", json={"prompt": [True, 2], "max_tokens": 1}),
+                 400, param="prompt")
+    assert_error(http.post("/detokenize", json={"tokens": [104.5]}), 400)
+
+
+def test_integers_are_json_schema_integers(http):
+    """JSON Schema counts 2.0 as the integer 2 (so do OpenAI's schemas); it is read as 2."""
+    r = http.post("/v1/completions", json={"prompt": [65.0, 66.0], "max_tokens": 3.0,
+                                           "n": 2.0, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+    assert r.json()["usage"]["completion_tokens"] == 6
+    assert http.post("/detokenize", json={"tokens": [104.0, 105]}).json() == {"prompt": "hi"}
 
 
 def test_chat_roles_are_the_known_ones(http):
@@ -169,3 +183,18 @@ def test_api_key_file_and_protected_metrics(tmp_path, tiny_llama_dir):
         assert ok.status_code == 200 and "octavo:" in ok.text
     finally:
         stop_server(s)
+
+
+def test_logit_bias_steers_sampling(http):
+    """OpenAI's logit_bias: +100 all but forces a token, -100 bans one."""
+    forced = http.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 6, "temperature": 0, "logit_bias": {"65": 100}})
+    assert forced.status_code == 200, forced.text
+    assert forced.json()["choices"][0]["text"] == "AAAAAA"
+    free = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "temperature": 0,
+                                              "ignore_eos": True})
+    top = free.json()["choices"][0]["text"][0]
+    banned = http.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        "logit_bias": {str(ord(top)): -100}})
+    assert top not in banned.json()["choices"][0]["text"]
