@@ -29,6 +29,7 @@ BENCHMARKS = {
     "prefix": "octavo.bench.prefix",
     "sharing": "octavo.bench.sharing",
     "paging": "octavo.bench.paging_overhead",
+    "reliability": "octavo.bench.reliability",
 }
 
 

@@ -10,74 +10,29 @@ in the vLLM paper (Fig. 12): the knee of that curve is the rate a system can sus
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from matplotlib.figure import Figure
 
 from octavo.bench import workloads
-from octavo.bench.common import BenchResult, PlotFn, free_port, md_table
+from octavo.bench.common import BenchResult, PlotFn, md_table
 from octavo.bench.concurrency import kv_bytes_per_token
 from octavo.bench.loadgen import run_load
 from octavo.bench.options import BenchOptions
-from octavo.engine_args import to_cli_flags
+from octavo.bench.server_proc import ServerProcess
 
 MAX_MODEL_LEN = 512
 KV_TOKENS = 4096
 SERVERS = ("paged", "contiguous")
 
 
-class ServerProcess:
-    """`python -m octavo.cli serve ...` on a free loopback port; SIGTERM on exit."""
-
-    def __init__(self, opts: BenchOptions, allocator: str, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        dtype = opts.dtypes[0]
-        cmd = [sys.executable, "-m", "octavo.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), "--kv-allocator", allocator, "--dtype", dtype,
-               "--max-model-len", str(MAX_MODEL_LEN), "--no-enable-prefix-caching",
-               "--kv-cache-memory-bytes", str(KV_TOKENS * kv_bytes_per_token(opts.model, dtype)),
-               "--seed", str(opts.seed), "--uvicorn-log-level", "warning",
-               "--served-model-name", "bench"]
-        if opts.model:
-            cmd += ["--model", opts.model]
-        cmd += to_cli_flags(opts.engine_overrides)
-        self.log = log
-        self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "OMP_NUM_THREADS": str(opts.threads)}
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     env=env)
-
-    def wait_ready(self, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"octavo serve exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"octavo serve not ready after {timeout_s} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log_file.close()
+def server_flags(opts: BenchOptions, allocator: str) -> list[str]:
+    dtype = opts.dtypes[0]
+    return ["--kv-allocator", allocator, "--max-model-len", str(MAX_MODEL_LEN),
+            "--no-enable-prefix-caching",
+            "--kv-cache-memory-bytes", str(KV_TOKENS * kv_bytes_per_token(opts.model, dtype))]
 
 
 def trace(opts: BenchOptions, rate_index: int) -> workloads.Workload:
@@ -94,7 +49,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for allocator in SERVERS:
-            server = ServerProcess(opts, allocator, Path(tmp) / f"{allocator}.log")
+            server = ServerProcess(opts, Path(tmp) / f"{allocator}.log",
+                                   server_flags(opts, allocator))
             try:
                 server.wait_ready()
                 warm = trace(opts, 999).capped(2)
