@@ -49,11 +49,10 @@ class GuardedH11Protocol(H11Protocol):
         self._header_timer: Any = None
         self._wait_for_request_head()
         guard = self.guard
-        while len(self.connections) > guard.max_connections and guard.waiting:
+        # one out for each one in over the cap (a closed transport leaves `connections` only
+        # when its connection_lost runs, a loop iteration later)
+        if len(self.connections) > guard.max_connections and len(guard.waiting) > 1:
             _, oldest = guard.waiting.popitem(last=False)
-            if oldest is self:
-                guard.waiting[id(self)] = self
-                break
             guard.num_evicted += 1
             oldest._close_idle()
 
