@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import resource
+import multiprocessing
 import signal
 import socket
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +37,7 @@ from matplotlib.figure import Figure
 from octavo.bench.common import BenchResult, PlotFn, md_table
 from octavo.bench.options import BenchOptions
 from octavo.bench.server_proc import ServerProcess
+from octavo.server.connections import raise_fd_limit
 
 MAX_MODEL_LEN = 512
 HEADER_TIMEOUT_S = 5.0
@@ -215,37 +215,53 @@ def slow_clients(server: ServerProcess, opts: BenchOptions) -> list[dict[str, An
     return [row]
 
 
-def raise_own_fd_limit() -> int:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+def _hold_idle_connections(port: int, count: int, conn: Any) -> None:
+    """A flood helper process: open `count` connections that never send a byte, report how
+    many opened, and at the word "check" how many the server has closed."""
+    raise_fd_limit()
+    opened, failed = [], 0
+    for _ in range(count):
+        try:
+            opened.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        except OSError:
+            failed += 1
+    conn.send((len(opened), failed))
+    conn.recv()
+    closed = 0
+    for s in opened:
+        s.setblocking(False)
+        try:
+            closed += s.recv(1) == b""
+        except BlockingIOError:
+            pass
+        except OSError:
+            closed += 1
+        s.close()
+    conn.send(closed)
 
 
 def idle_flood(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any]]:
-    fds = raise_own_fd_limit()
-    n = min(opts.pick(2000, 20000), fds - 300)
-    host, port = "127.0.0.1", server.port
+    """Connections that never send a request, from helper processes (one process may hold only
+    as many sockets as its descriptor limit allows), while /health is probed."""
+    n = opts.pick(2000, 20000)
+    per_process = max(1, min(raise_fd_limit(), 20000) - 500)
+    procs = -(-n // per_process)
+    ctx = multiprocessing.get_context("spawn")
+    helpers = []
+    for i in range(procs):
+        parent, child = ctx.Pipe()
+        count = min(per_process, n - i * per_process)
+        p = ctx.Process(target=_hold_idle_connections, args=(server.port, count, child),
+                        daemon=True)
+        p.start()
+        helpers.append((p, parent))
     log_before = server.log_lines()
-    opened: list[socket.socket] = []
-    failed = [0]
-    done = threading.Event()
-
-    def flood() -> None:
-        for _ in range(n):
-            try:
-                opened.append(socket.create_connection((host, port), timeout=5))
-            except OSError:
-                failed[0] += 1
-        done.set()
-
-    worst = 0.0
-    probes = health_failures = 0
-    t = threading.Thread(target=flood, daemon=True)
+    worst, probes, health_failures = 0.0, 0, 0
     t0 = time.perf_counter()
-    t.start()
+    pending = list(helpers)
+    opened = failed = 0
     with httpx.Client(base_url=server.url, timeout=5) as c:
-        while not done.is_set() or time.perf_counter() - t0 < 3:
+        while pending or time.perf_counter() - t0 < 3:
             start = time.perf_counter()
             try:
                 ok = c.get("/health", headers={"connection": "close"}).status_code == 200
@@ -254,27 +270,27 @@ def idle_flood(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any]
             worst = max(worst, time.perf_counter() - start)
             probes += 1
             health_failures += not ok
+            for helper in list(pending):
+                if helper[1].poll():
+                    o, f = helper[1].recv()
+                    opened, failed = opened + o, failed + f
+                    pending.remove(helper)
             time.sleep(0.1)
         completion = c.post("/v1/completions", json=body(0, 4)).status_code
-    t.join()
-    time.sleep(HEADER_TIMEOUT_S + 1.0)  # past the header timeout: the server has closed them
-    still_open = 0
-    for s in opened:
-        s.setblocking(False)
-        try:
-            still_open += s.recv(1) != b""
-        except BlockingIOError:
-            still_open += 1
-        except OSError:
-            pass
-        s.close()
+        time.sleep(HEADER_TIMEOUT_S + 1.0)  # past the header timeout: the server closed them
+    closed = 0
+    for p, parent in helpers:
+        parent.send("check")
+        closed += parent.recv()
+        p.join(30)
     log_lines = server.log_lines() - log_before
-    row = {"scenario": "idle connection flood", "connections": n, "connect_failures": failed[0],
-           "health_probes": probes, "health_failures": health_failures,
-           "health_worst_s": round(worst, 3), "server_kept_open": still_open,
-           "log_lines": log_lines, "completion_after": completion, **pool_after(server)}
-    row["ok"] = (health_failures == 0 and worst < 1.0 and log_lines < 100
-                 and completion == 200 and still_open == 0 and pool_ok(row))
+    row = {"scenario": "idle connection flood", "connections": opened, "connect_failures": failed,
+           "helper_processes": procs, "health_probes": probes,
+           "health_failures": health_failures, "health_worst_s": round(worst, 3),
+           "closed_by_server": closed, "log_lines": log_lines, "completion_after": completion,
+           **pool_after(server)}
+    row["ok"] = (health_failures == 0 and worst < 1.0 and log_lines < 100 and opened == n
+                 and completion == 200 and closed == opened and pool_ok(row))
     return [row]
 
 

@@ -144,17 +144,20 @@ def rate_limit_noisy_logs() -> None:
             log.addFilter(_FILTER)
 
 
-def raise_fd_limit() -> int:
-    """Soft RLIMIT_NOFILE up to the hard limit; returns the new soft limit."""
+def raise_fd_limit(want: int = 1 << 16) -> int:
+    """RLIMIT_NOFILE up to `want` where the process may raise its hard limit (root), else the
+    soft limit up to the hard one; returns the soft limit in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    for target in (max(want, soft), hard):
+        if target == resource.RLIM_INFINITY or target <= soft:
+            continue
+        new_hard = hard if hard == resource.RLIM_INFINITY else max(hard, target)
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, new_hard))
+            break
         except (ValueError, OSError):
-            pass
-    return soft
+            continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> uvicorn.Config:

@@ -39,3 +39,24 @@ def test_schemathesis_finds_nothing(fuzz_server):
     counts = re.search(r"(\d+) generated, (\d+) passed", summary)
     assert counts and counts[1] == counts[2] and int(counts[1]) > 100, summary
     assert fuzz_server.wait_idle()["octavo:kv_blocks_used"] == 0
+
+
+def test_the_openapi_document_says_what_the_server_answers(fuzz_server):
+    import httpx
+
+    doc = httpx.get(f"{fuzz_server.url}/openapi.json").json()
+    text = str(doc)
+    assert "'422'" not in text and "HTTPValidationError" not in text
+    completions = doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert {"200", "400", "404", "413", "500", "503"} <= set(completions)
+    assert set(completions["200"]["content"]) == {"application/json", "text/event-stream"}
+    error = completions["400"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+    health = doc["paths"]["/health"]["get"]["responses"]
+    assert health["200"].get("content") in ({}, None) and "503" in health
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    # bounds of the served model: the tiny one has 256 tokens and max_model_len 64
+    request = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert '"maximum": 63' in str(request["max_tokens"]).replace("'", '"')
+    assert '"maximum": 255' in str(request["stop_token_ids"]).replace("'", '"')
