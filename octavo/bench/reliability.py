@@ -11,8 +11,8 @@ them on the tiny model); the full run writes the figures RELIABILITY.md quotes:
 - slow clients: streams read slowly beside a normal one; its inter-token latency holds.
 - idle flood: thousands of connections that never send a request; /health answers within 1 s
   throughout, the server's log stays short, and past the header timeout none is left open.
-- huge and malformed inputs: a 6 MB prompt is refused while a stream runs (its inter-token
-  latency grows < 2x), and a catalogue of bad bodies gets 4xx, never 5xx.
+- huge and malformed inputs: a 6 MB prompt (1 MB in the quick run) is refused while a stream
+  runs (its inter-token latency grows < 2x), and a catalogue of bad bodies gets 4xx, never 5xx.
 - drain: SIGTERM with 50 streams in flight and --shutdown-timeout 60; all end whole, exit 0.
 - soak: many requests in a row; the server's memory stays flat.
 """
@@ -49,13 +49,14 @@ def vocab_of(opts: BenchOptions) -> int:
 
 # ---- clients ----------------------------------------------------------------------------------
 async def stream(client: httpx.AsyncClient, body: dict, *, hang_up_after: int | None = None,
-                 read_delay: float = 0.0) -> dict[str, Any]:
+                 read_delay: float = 0.0, out: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed completion: its status, token count (usage), finish reason, the arrival
-    times of its token-carrying chunks, or its error."""
+    times of its token-carrying chunks, or its error (filled into `out` as it goes)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True,
                                                         "continuous_usage_stats": True}}
-    out: dict[str, Any] = {"status": None, "tokens": 0, "finish": None, "times": [],
-                           "error": None, "text": ""}
+    out = out if out is not None else {}
+    out.update({"status": None, "tokens": 0, "finish": None, "times": [], "error": None,
+                "text": ""})
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             out["status"] = r.status_code
@@ -111,6 +112,15 @@ def pool_ok(r: dict[str, Any]) -> bool:
     return r["kv_blocks_used_after"] == 0 and r["running_after"] == 0
 
 
+def judge(row: dict[str, Any], checks: bool, timing: bool = True) -> None:
+    """`checks`: what must hold on any machine (errors, the KV pool, statuses, outputs);
+    `timing`: the latency and memory figures, judged on the full run's machine (the quick run
+    in the test suite shares a small, busy machine and asserts only `checks`)."""
+    row["checks_ok"] = bool(checks)
+    row["timing_ok"] = bool(timing)
+    row["ok"] = row["checks_ok"] and row["timing_ok"]
+
+
 # ---- scenarios --------------------------------------------------------------------------------
 def concurrency(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any]]:
     rows = []
@@ -128,7 +138,7 @@ def concurrency(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any
                or r["finish"] != "length"]
         row = {"scenario": f"concurrency {n}", "streams": n, "errors": len(bad),
                "seconds": round(time.perf_counter() - t0, 1), **pool_after(server)}
-        row["ok"] = row["errors"] == 0 and pool_ok(row)
+        judge(row, row["errors"] == 0 and pool_ok(row))
         rows.append(row)
     return rows
 
@@ -150,7 +160,7 @@ def disconnects(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any
     errors += sum(1 for r in left if r["error"])
     row = {"scenario": "disconnect storm (40%)", "streams": n, "hung_up": len(left),
            "errors": errors, **pool_after(server)}
-    row["ok"] = errors == 0 and pool_ok(row)
+    judge(row, errors == 0 and pool_ok(row))
     return [row]
 
 
@@ -181,37 +191,37 @@ def preemption(opts: BenchOptions, tmp: Path) -> list[dict[str, Any]]:
                    if not s["error"] and s["text"] == a["choices"][0]["text"])
         row = {"scenario": "preemption storm", "requests": n, "kv_blocks": blocks,
                "preemptions": int(preempted), "same_as_alone": same, **pool_after(server)}
-        row["ok"] = same == n and preempted > 0 and pool_ok(row)
+        judge(row, same == n and preempted > 0 and pool_ok(row))
         return [row]
     finally:
         server.stop()
 
 
 def slow_clients(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any]]:
-    slow_n, max_tokens = opts.pick(10, 50), opts.pick(24, 64)
+    """A normal stream beside others that read at once, then beside as many that read one
+    line every 0.25 s: the same batch either way, so any difference is the slow readers'."""
+    others, max_tokens = opts.pick(10, 50), opts.pick(24, 64)
 
-    async def probe(c: httpx.AsyncClient) -> list[float]:
-        return gaps((await stream(c, body(0, max_tokens)))["times"])
-
-    async def main() -> tuple[list[float], list[float], list[dict[str, Any]]]:
+    async def probe_beside(read_delay: float) -> tuple[list[float], list[dict[str, Any]]]:
         async with client(server) as c:
-            alone = await probe(c)
-            slow = [asyncio.create_task(stream(c, body(i, max_tokens), read_delay=0.25))
-                    for i in range(slow_n)]
-            await asyncio.sleep(0.5)
-            beside = await probe(c)
-            return alone, beside, await asyncio.gather(*slow)
+            tasks = [asyncio.create_task(stream(c, body(i, 4 * max_tokens),
+                                                read_delay=read_delay))
+                     for i in range(others)]
+            while server.metrics().get("octavo:num_requests_running", 0) < others:
+                await asyncio.sleep(0.05)
+            probe = await stream(c, body(0, max_tokens))
+            return gaps(probe["times"]), await asyncio.gather(*tasks)
 
-    alone, beside, slow = asyncio.run(main())
-    ratio = statistics.median(beside) / max(statistics.median(alone), 1e-6)
-    errors = sum(1 for r in slow if r["error"] or r["tokens"] != max_tokens)
-    row = {"scenario": "slow clients", "slow_streams": slow_n,
-           "itl_ms_alone": round(1e3 * statistics.median(alone), 1),
-           "itl_ms_beside_slow": round(1e3 * statistics.median(beside), 1),
+    fast_itl, fast = asyncio.run(probe_beside(0.0))
+    slow_itl, slow = asyncio.run(probe_beside(0.25))
+    ratio = statistics.median(slow_itl) / max(statistics.median(fast_itl), 1e-6)
+    errors = sum(1 for r in fast + slow if r["error"] or r["tokens"] != 4 * max_tokens)
+    row = {"scenario": "slow clients", "other_streams": others,
+           "itl_ms_beside_fast_readers": round(1e3 * statistics.median(fast_itl), 1),
+           "itl_ms_beside_slow_readers": round(1e3 * statistics.median(slow_itl), 1),
            "itl_ratio": round(ratio, 2), "errors": errors, **pool_after(server)}
-    # slow readers never hold the engine back (a stream keeps only its newest output); the
-    # probe shares each step with the slow streams' decodes, so allow for the bigger batch
-    row["ok"] = errors == 0 and ratio < 3 and pool_ok(row)
+    # a stream keeps only its newest output, so a slow reader never holds the engine back
+    judge(row, errors == 0 and pool_ok(row), timing=ratio < 1.5)
     return [row]
 
 
@@ -289,8 +299,8 @@ def idle_flood(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any]
            "health_failures": health_failures, "health_worst_s": round(worst, 3),
            "closed_by_server": closed, "log_lines": log_lines, "completion_after": completion,
            **pool_after(server)}
-    row["ok"] = (health_failures == 0 and worst < 1.0 and log_lines < 100 and opened == n
-                 and completion == 200 and closed == opened and pool_ok(row))
+    judge(row, log_lines < 100 and opened == n and completion == 200 and closed == opened
+          and pool_ok(row), timing=health_failures == 0 and worst < 1.0)
     return [row]
 
 
@@ -316,19 +326,16 @@ def bad_bodies(vocab: int) -> list[tuple[str, bytes]]:
 
 def huge_inputs(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any]]:
     max_tokens = opts.pick(48, 128)
-    huge = json.dumps({"prompt": "a" * (6 << 20), "max_tokens": 4}).encode()
+    huge_mb = opts.pick(1, 6)  # the quick run's tiny model steps in ~2 ms: a smaller body
+    huge = json.dumps({"prompt": "a" * (huge_mb << 20), "max_tokens": 4}).encode()
     headers = {"content-type": "application/json"}
 
     async def main() -> tuple[dict[str, Any], float, float, int]:
         async with client(server) as c:
-            task = asyncio.create_task(stream(c, body(0, max_tokens, temperature=0)))
-            while True:  # let it get going
-                await asyncio.sleep(0.05)
-                if task.done():
-                    break
-                m = server.metrics()
-                if m.get("octavo:generation_tokens_total", 0) > 4:
-                    break
+            live: dict[str, Any] = {}
+            task = asyncio.create_task(stream(c, body(0, max_tokens, temperature=0), out=live))
+            while not task.done() and len(live.get("times", ())) < 6:  # let it get going
+                await asyncio.sleep(0.01)
             sent = time.perf_counter()
             r = await c.post("/v1/completions", content=huge, headers=headers)
             answered = time.perf_counter()
@@ -348,7 +355,8 @@ def huge_inputs(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any
             statuses.append((name, c.post(path, content=raw, headers=headers).status_code))
     server_errors = [name for name, st in statuses if st >= 500]
     not_4xx = [f"{name}: {st}" for name, st in statuses if not 400 <= st < 500]
-    row = {"scenario": "huge and malformed inputs", "huge_prompt_status": status,
+    row = {"scenario": "huge and malformed inputs", "huge_prompt_mb": huge_mb,
+           "huge_prompt_status": status,
            "huge_prompt_s": round(answered - sent, 3),
            "itl_ms_before": round(1e3 * base, 1),
            "itl_ms_worst_during": round(1e3 * worst_during, 1),
@@ -356,8 +364,8 @@ def huge_inputs(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any
            "stream_error": res["error"], **pool_after(server)}
     # the stall the huge body may cause: under 2x the stream's inter-token latency (or 20 ms,
     # for a model so small that a step takes a couple of milliseconds)
-    row["ok"] = (status == 400 and worst_during < max(2 * base, base + 0.020)
-                 and not server_errors and not not_4xx and not res["error"] and pool_ok(row))
+    judge(row, status == 400 and not server_errors and not not_4xx and not res["error"]
+          and pool_ok(row), timing=worst_during < max(2 * base, base + 0.020))
     return [row]
 
 
@@ -390,8 +398,7 @@ def drain(opts: BenchOptions, tmp: Path) -> list[dict[str, Any]]:
     row = {"scenario": "drain on SIGTERM", "streams": n, "in_flight_at_probe": running,
            "finished_whole": whole, "health_while_draining": health,
            "new_request_while_draining": refused, "exit_code": code}
-    row["ok"] = (whole == n and code == 0 and health == 503 and refused == 503
-                 and running > 0)
+    judge(row, whole == n and code == 0 and health == 503 and refused == 503 and running > 0)
     return [row]
 
 
@@ -418,7 +425,7 @@ def soak(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any]]:
            "rss_mb_first_fifth": round(first / 1024, 1),
            "rss_mb_last_fifth": round(last / 1024, 1),
            "rss_growth_pct": round(100 * (last - first) / first, 1), **pool_after(server)}
-    row["ok"] = errors == 0 and row["rss_growth_pct"] < 10 and pool_ok(row)
+    judge(row, errors == 0 and pool_ok(row), timing=row["rss_growth_pct"] < 10)
     return [row]
 
 
@@ -446,15 +453,17 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     md = [f"`octavo serve` ({opts.model or 'SmolLM2-135M-Instruct'} {opts.dtypes[0]}, "
           f"max_model_len {MAX_MODEL_LEN}); every scenario ends with the KV pool checked "
           "(no block in use, nothing running once idle).", "",
-          md_table(["scenario", "ok", "figures"],
-                   [[r["scenario"], "yes" if r["ok"] else "**NO**", figures(r)] for r in rows])]
+          md_table(["scenario", "checks", "timing", "figures"],
+                   [[r["scenario"], "yes" if r["checks_ok"] else "**NO**",
+                     "yes" if r["timing_ok"] else "**NO**", figures(r)] for r in rows])]
     res = BenchResult("reliability", opts.command, {"quick": opts.quick}, rows, "\n".join(md),
                       elapsed_s=time.perf_counter() - t0)
     return res, plot
 
 
 def figures(row: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("scenario", "ok"))
+    skip = ("scenario", "ok", "checks_ok", "timing_ok")
+    return ", ".join(f"{k}={v}" for k, v in row.items() if k not in skip)
 
 
 def plot(rows: list[dict], fig: Figure) -> None:

@@ -19,7 +19,12 @@ from octavo import __version__
 from octavo.engine.async_engine import AsyncLLMEngine
 from octavo.server.context import ServerConfig, ServerContext
 from octavo.server.errors import OpenAIError, install_error_handlers
-from octavo.server.middleware import OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware
+from octavo.server.middleware import (
+    OPEN_PATHS,
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    InFlightLimitMiddleware,
+)
 from octavo.server.openapi import install_openapi
 from octavo.server.protocol import (
     ChatCompletionRequest,
@@ -97,7 +102,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    # The last middleware added runs first: the key is checked before the body is read.
+    # The last middleware added runs first: the key is checked before the body is read, and
+    # the in-flight limit before anything.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     open_paths = set(OPEN_PATHS)
     if config.api_key:
@@ -105,6 +111,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                            protect_metrics=config.protect_metrics)
         if config.protect_metrics:
             open_paths.discard("/metrics")
+    app.add_middleware(InFlightLimitMiddleware, max_in_flight=config.limit_concurrency)
     install_openapi(app, api_key=bool(config.api_key), open_paths=open_paths,
                     vocab_size=ctx.vocab_size, max_model_len=ctx.max_model_len)
     return app

@@ -5,9 +5,10 @@
   out idle keep-alive connections, so 20,000 clients that never finish their headers would
   hold 20,000 file descriptors forever.
 - A cap on open connections (`limit_concurrency`): past it, the connection that has waited
-  longest for its request head is closed to make room (a client that sends its request at once,
-  a probe of /health say, always gets in), and when every connection is busy uvicorn answers
-  503 (its own `limit_concurrency`).
+  longest for its request head is closed to make room, once it has waited a moment (a client
+  that sends its request at once, a probe of /health say, always gets in). Only when the
+  process is about to run out of descriptors is a new connection itself turned away. Requests
+  in flight are capped at the same number: past it, 503 (middleware.InFlightLimitMiddleware).
 - The soft file-descriptor limit is raised to the hard one, so the cap, not the OS, decides.
 - Repeated log lines (accept() failing for lack of descriptors, invalid requests) are written
   once per interval with a count, not once per connection.
@@ -27,14 +28,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from octavo.server.context import ServerConfig
 
 LOG_INTERVAL_S = 10.0
+# a connection this young is never closed to make room: its request may be on its way
+MIN_IDLE_AGE_S = 0.25
 
 
 class ConnectionGuard:
     """Shared by every connection of one server."""
 
-    def __init__(self, header_timeout: float, max_connections: int) -> None:
+    def __init__(self, header_timeout: float, max_connections: int,
+                 hard_max_connections: int) -> None:
         self.header_timeout = header_timeout
         self.max_connections = max_connections
+        self.hard_max_connections = max(hard_max_connections, max_connections)
         # connections waiting for a request head, oldest first
         self.waiting: OrderedDict[int, GuardedH11Protocol] = OrderedDict()
         self.num_header_timeouts = 0
@@ -52,13 +57,19 @@ class GuardedH11Protocol(H11Protocol):
         # one out for each one in over the cap (a closed transport leaves `connections` only
         # when its connection_lost runs, a loop iteration later)
         if len(self.connections) > guard.max_connections and len(guard.waiting) > 1:
-            _, oldest = guard.waiting.popitem(last=False)
-            guard.num_evicted += 1
-            oldest._close_idle()
+            oldest = next(iter(guard.waiting.values()))
+            if self.loop.time() - oldest._waiting_since >= MIN_IDLE_AGE_S:
+                guard.num_evicted += 1
+                oldest._close_idle()
+            elif len(self.connections) > guard.hard_max_connections:
+                guard.num_evicted += 1
+                self._close_idle()
 
     def _wait_for_request_head(self) -> None:
         """From now until a request head arrives, the header timeout runs."""
         self._cycle_before_head = self.cycle
+        self._waiting_since = self.loop.time()
+        self.guard.waiting.pop(id(self), None)  # to the young end
         self.guard.waiting[id(self)] = self
         if self._header_timer is not None:
             self._header_timer.cancel()
@@ -164,11 +175,10 @@ def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> uvicorn.Co
     """uvicorn's Config with octavo's connection settings (`options`: host, port, log_level)."""
     fds = raise_fd_limit()
     # leave descriptors for the listening socket, model files, logs and the engine
-    cap = max(1, min(config.limit_concurrency, fds - 256))
-    guard = ConnectionGuard(config.header_timeout, cap)
+    usable = max(1, fds - 256)
+    guard = ConnectionGuard(config.header_timeout, min(config.limit_concurrency, usable), usable)
     rate_limit_noisy_logs()
     return uvicorn.Config(
         app, http=protocol_class(guard), timeout_keep_alive=config.timeout_keep_alive,
-        limit_concurrency=cap + 1,  # uvicorn answers 503 from this many connections on
         timeout_graceful_shutdown=5, **options,
     )

@@ -97,3 +97,27 @@ class BodySizeLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class InFlightLimitMiddleware:
+    """503 while `max_in_flight` requests are being answered (streams included); idle
+    connections do not count (server/connections.py closes them past its cap)."""
+
+    def __init__(self, app: ASGIApp, max_in_flight: int) -> None:
+        self.app = app
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_in_flight:
+            await send_error(send, 503, f"the server is answering {self.in_flight} requests, "
+                             "its limit (--limit-concurrency); retry later")
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1

@@ -24,7 +24,7 @@ DESCRIPTIONS = {
     404: "the model named in the request is not served here",
     413: "request body larger than --max-request-body-bytes",
     500: "the model step failed",
-    503: "overloaded (too many requests waiting) or shutting down",
+    503: "overloaded (too many requests waiting or in flight) or shutting down",
 }
 # operations that take a `model` field, and those that run the engine
 NAMES_A_MODEL = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
@@ -40,10 +40,9 @@ def error_statuses(path: str, method: str, api_key: bool, open_paths: set[str]) 
     if path in NAMES_A_MODEL:
         statuses.append(404)
     if path in GENERATES:
-        statuses += [500, 503]
-    if path == "/health":
-        statuses.append(503)
-    return sorted(statuses)
+        statuses.append(500)
+    statuses.append(503)  # any request, past --limit-concurrency in flight
+    return sorted(set(statuses))
 
 
 def write_bounds(node: Any, bounds: dict[str, int]) -> None:

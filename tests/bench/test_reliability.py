@@ -1,5 +1,6 @@
-"""`octavo bench reliability --quick` on the tiny model: every scenario's checks hold (the full
-run, with the figures, is in RELIABILITY.md)."""
+"""`octavo bench reliability --quick` on the tiny model: every scenario's functional checks hold
+(no error, no leaked block, statuses, equal outputs, exit codes); the latency figures and the
+full run are in RELIABILITY.md."""
 
 from __future__ import annotations
 
@@ -15,5 +16,6 @@ def test_reliability_quick(tiny_llama_dir, tmp_path):
     names = {r["scenario"].split(" ")[0] for r in rows}
     assert {"concurrency", "disconnect", "slow", "idle", "huge", "soak", "preemption",
             "drain"} <= names
-    failed = [r for r in rows if not r["ok"]]
+    # the functional checks; the latency figures are judged on the full run (RELIABILITY.md)
+    failed = [r for r in rows if not r["checks_ok"]]
     assert not failed, failed
