@@ -19,6 +19,16 @@ from octavo.bench.options import BenchOptions
 from octavo.engine_args import to_cli_flags
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {name: value}, labels summed over (one model per server)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z0-9_:]+)(\{[^}]*\})? (\S+)$", line)
+        if m and not line.startswith("#"):
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
+    return values
+
+
 class ServerProcess:
     def __init__(self, opts: BenchOptions, log: Path, flags: list[str],
                  name: str = "bench") -> None:
@@ -52,13 +62,7 @@ class ServerProcess:
         raise RuntimeError(f"octavo serve not ready after {timeout_s} s")
 
     def metrics(self) -> dict[str, float]:
-        """/metrics as {name: value} (labels summed over)."""
-        values: dict[str, float] = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            m = re.match(r"^([a-zA-Z0-9_:]+)(\{[^}]*\})? (\S+)$", line)
-            if m and not line.startswith("#"):
-                values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
-        return values
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
 
     def wait_idle(self, timeout_s: float = 30) -> dict[str, float]:
         deadline = time.monotonic() + timeout_s

@@ -8,7 +8,6 @@ server runs the embedded SmolLM2 so chat answers are real text.
 from __future__ import annotations
 
 import dataclasses
-import re
 import socket
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from octavo.bench.server_proc import parse_metrics
 from octavo.engine.async_engine import AsyncLLMEngine
 from octavo.llm import LLM
 from octavo.server.context import ServerConfig
@@ -41,13 +41,7 @@ class RunningServer:
 
     def metrics(self) -> dict[str, float]:
         """The server's /metrics as {name: value}, labels dropped (one model per server)."""
-        text = httpx.get(f"{self.url}/metrics").text
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            m = re.match(r"^([a-zA-Z0-9_:]+)(\{[^}]*\})? (\S+)$", line)
-            if m and not line.startswith("#"):
-                values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
-        return values
+        return parse_metrics(httpx.get(f"{self.url}/metrics").text)
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
         """Poll /metrics until no request runs or waits and no KV block is held."""
