@@ -13,6 +13,11 @@ run on the event loop. The split:
 
 Outputs are cumulative, so a stream keeps only the newest one when its consumer lags: a slow
 client costs no memory and never holds the engine back.
+
+Failures stay contained: a model step that raises fails only the requests of that step (the
+others, waiting, go on); only a bug in this loop itself stops the thread, which the server
+notices (/health fails, `serve` exits 1). `begin_drain` refuses new requests and lets those in
+flight finish; `begin_shutdown` aborts them.
 """
 
 from __future__ import annotations
