@@ -36,6 +36,13 @@ class KVSeq:
         self.num_computed_tokens = num_computed_tokens
         self._hash_new_blocks()
 
+    def child(self, seq_id: int) -> KVSeq:
+        """A copy under `seq_id`: these tokens, block hashes and computed-token count (the KV
+        manager's fork then shares the blocks with it)."""
+        return KVSeq(seq_id, self.token_ids, hasher=self.hasher, extra_key=self.extra_key,
+                     block_hashes=list(self.block_hashes),
+                     num_computed_tokens=self.num_computed_tokens)
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if self.hasher is not None and len(self.token_ids) % self.hasher.block_size == 0:

@@ -32,14 +32,7 @@ def seq(
 
 def fork(m: KVCacheManager, parent: KVSeq, child_id: int) -> KVSeq:
     """The child the engine forks: the parent's tokens, block hashes and computed count."""
-    child = KVSeq(
-        child_id,
-        parent.token_ids,
-        hasher=parent.hasher,
-        extra_key=parent.extra_key,
-        block_hashes=list(parent.block_hashes),
-        num_computed_tokens=parent.num_computed_tokens,
-    )
+    child = parent.child(child_id)
     m.fork(parent.seq_id, child)
     return child
 

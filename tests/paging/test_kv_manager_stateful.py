@@ -202,14 +202,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(self.running()), label="parent")
         p = self.seqs[parent]
         child = self.new_id()
-        c = KVSeq(
-            child,
-            p.token_ids,
-            hasher=p.hasher,
-            extra_key=p.extra_key,
-            block_hashes=list(p.block_hashes),
-            num_computed_tokens=p.num_computed_tokens,
-        )
+        c = p.child(child)
         self.mgr.fork(parent, c)
         self.seqs[child] = c
         self.tokens[child], self.extra[child] = list(self.tokens[parent]), self.extra[parent]
