@@ -10,10 +10,65 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by a
 # near-zero temperature overflows, and the result is argmax anyway.
 SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's StructuredOutputsParams): exactly one of `json` (a
+    JSON schema, as a dict or its text), `regex`, `choice` (the output is one of these
+    strings), `grammar` (Lark, or GBNF as llama.cpp writes it) or `json_object` (any JSON
+    object).
+
+    JSON options: by default the output has no free whitespace (items ", " and keys ": " are
+    not padded further), so every token carries content and a small model at temperature 1
+    cannot run out of tokens emitting spaces; `whitespace_pattern` (a regex) allows the
+    whitespace it matches between tokens; `disable_any_whitespace` writes the most compact
+    JSON (separators "," and ":"); `disable_additional_properties` closes every object schema
+    that does not say otherwise. `disable_fallback` is accepted for vLLM compatibility (there is
+    one backend, llguidance, and no fallback)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured outputs need exactly one of json, regex, choice, "
+                             f"grammar or json_object; got {given or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs: choice must be a non-empty list of "
+                             "non-empty strings")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs: {name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError("structured outputs: json must be a schema (a dict or its JSON "
+                             "text)")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
 
 
 @dataclass
@@ -44,9 +99,22 @@ class SamplingParams:
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans
     # a token, 100 all but forces it).
     logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Words (strings) the output must not contain as tokens: the last token of each word's
+    # tokenization is banned after its preceding tokens (vLLM's bad_words); the engine turns
+    # them into token ids (bad_words_token_ids) with the tokenizer.
+    bad_words: list[str] | None = None
+    # A constraint the output follows: a JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
+    # Free-form arguments for custom logits processors (vLLM's extra_args).
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine from the tokenizer/config (vLLM keeps the same private fields):
     # EOS plus stop_token_ids, banned while fewer than min_tokens were generated.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
+    # bad_words as token id sequences (each one or more tokens long), set by the engine.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False,
+                                                 compare=False)
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -122,6 +190,19 @@ class SamplingParams:
             _check_finite("logit_bias value", bias)
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token_id)
+                if token_id < 0:
+                    raise ValueError(f"allowed_token_ids must be non-negative, got {token_id}")
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip()
+                                                  for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-empty strings")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

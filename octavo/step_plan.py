@@ -9,6 +9,7 @@ sequences to forget. The model never sees a request.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from octavo.outputs import PositionLogprobs
@@ -52,6 +53,19 @@ class SeqChunk:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """Tokens each constrained sequence may sample this step (structured outputs).
+
+    `pending` resolves (on the engine's grammar thread, while the forward pass runs) to an
+    int32 array [len(seq_ids), ceil(vocab / 32)]: bit b of word w of row r set means token
+    32 * w + b is allowed for sequence seq_ids[r].
+    """
+
+    seq_ids: list[int]
+    pending: Future
+
+
+@dataclass(slots=True)
 class StepPlan:
     chunks: list[SeqChunk] = field(default_factory=list)
     new_seqs: list[NewSeq] = field(default_factory=list)
@@ -68,6 +82,8 @@ class StepPlan:
     # reused in the same step).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Allowed tokens of the constrained sequences that sample (None: none is constrained).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_tokens(self) -> int:

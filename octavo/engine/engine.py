@@ -5,6 +5,8 @@
     updates = scheduler.update_from_output(plan, out)
 
 then the output processor turns the updates into RequestOutputs (detokenizing, stop strings).
+Structured outputs add one call between the first two: the grammar bitmask of the step
+starts computing on a worker thread and the runner collects it when it samples.
 Servers drive it with add_request / step / abort_request; the offline `LLM` loops step() until
 everything finished. See docs/ARCHITECTURE.md for who owns which state.
 """
@@ -19,6 +21,7 @@ from octavo.engine.kv_sizing import check_max_model_len, make_kv_manager, resolv
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.request import Request
 from octavo.engine.scheduler import Scheduler
+from octavo.engine.structured_output import StructuredOutputs
 from octavo.engine_args import EngineArgs
 from octavo.model.loader import resolve_model_dir
 from octavo.model.runner import ModelRunner
@@ -54,8 +57,9 @@ class LLMEngine:
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         caching = args.enable_prefix_caching and args.kv_allocator == "paged"
         hasher = BlockHasher(args.block_size) if caching else None
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config,
-                                              self.max_model_len, hasher)
+                                              self.max_model_len, hasher, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
 
@@ -99,12 +103,16 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        # structured outputs: the allowed tokens are computed while the forward pass runs
+        plan.grammar_bitmask = self.structured.bitmask(plan, self.scheduler.seqs)
         try:
             out = self.runner.execute(plan)
         except Exception as e:
+            self.structured.wait(plan)
             self.scheduler.step_failed(plan)
             raise StepFailed(self.scheduler.request_ids_of(plan), e) from e
         except BaseException:  # KeyboardInterrupt and the like: the caller aborts everything
+            self.structured.wait(plan)
             self.scheduler.step_failed(plan)
             raise
         updates = self.scheduler.update_from_output(plan, out)

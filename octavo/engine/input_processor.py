@@ -14,6 +14,7 @@ from typing import Any
 from octavo.config import ModelConfig
 from octavo.engine.beam_search import BeamSearchState, beam_sampling_params
 from octavo.engine.request import Request
+from octavo.engine.structured_output import StructuredOutputs
 from octavo.paging.block_hash import BlockHasher
 from octavo.sampling_params import BeamSearchParams, SamplingParams
 
@@ -32,8 +33,10 @@ def eos_token_id(tokenizer: Any, model: ModelConfig) -> int | None:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, model: ModelConfig, max_model_len: int,
-                 hasher: BlockHasher | None) -> None:
+                 hasher: BlockHasher | None,
+                 structured: StructuredOutputs | None = None) -> None:
         self.tokenizer = tokenizer
+        self.structured = structured or StructuredOutputs(tokenizer, model.vocab_size)
         self.vocab_size = model.vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id(tokenizer, model)
@@ -70,10 +73,15 @@ class InputProcessor:
             # the engine's own copy: EOS joins the ids banned before min_tokens
             params = (params or SamplingParams()).clone()
             params.update_from_tokenizer(self.eos_token_id)
-            bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"logit_bias token id {bad[0]} is out of range "
-                                 f"[0, {self.vocab_size})")
+            for name, ids in (("logit_bias", params.logit_bias or {}),
+                              ("allowed_token_ids", params.allowed_token_ids or [])):
+                bad = [t for t in ids if t >= self.vocab_size]
+                if bad:
+                    raise ValueError(f"{name} token id {bad[0]} is out of range "
+                                     f"[0, {self.vocab_size})")
+            if params.bad_words:
+                params.bad_words_token_ids = bad_words_token_ids(self.tokenizer,
+                                                                 params.bad_words)
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -85,6 +93,8 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             hasher=self.hasher,
         )
+        if params.structured_outputs is not None:
+            request.seqs[0].grammar = self.structured.matcher(params.structured_outputs)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         if beam_params is not None:
@@ -103,3 +113,16 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word as token ids, at the start of a text and after a space (vLLM's rule: the
+    spaced form counts only when it is a different first token of the same length)."""
+    result: list[list[int]] = []
+    for word in words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        result.append(plain)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            result.append(spaced)
+    return result

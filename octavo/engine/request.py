@@ -13,7 +13,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from octavo.outputs import PositionLogprobs
 from octavo.paging.block_hash import BlockHasher
@@ -43,7 +43,7 @@ _seq_ids = itertools.count()
 
 class Sequence(KVSeq):
     __slots__ = ("request", "num_prompt_tokens", "index", "finish_reason", "stop_reason",
-                 "in_runner")
+                 "in_runner", "grammar")
 
     def __init__(self, request: Request, token_ids: list[int], num_prompt_tokens: int, *,
                  index: int = 0, block_hashes: list[bytes] | None = None,
@@ -59,14 +59,20 @@ class Sequence(KVSeq):
         # whether the runner holds this sequence's state (it drops it when the sequence is
         # freed, preempted or swapped out, and is sent it again when it is scheduled again)
         self.in_runner = False
+        # structured outputs: the grammar matcher (llguidance.LLMatcher) of this sequence's
+        # output tokens; None when unconstrained
+        self.grammar: Any = None
 
     def fork(self, index: int | None = None) -> Sequence:
         """A new sequence with this one's tokens, block hashes and computed tokens; the KV
         manager's fork gives it the blocks."""
-        return Sequence(self.request, list(self.token_ids), self.num_prompt_tokens,
-                        index=self.index if index is None else index,
-                        block_hashes=list(self.block_hashes),
-                        num_computed_tokens=self.num_computed_tokens)
+        child = Sequence(self.request, list(self.token_ids), self.num_prompt_tokens,
+                         index=self.index if index is None else index,
+                         block_hashes=list(self.block_hashes),
+                         num_computed_tokens=self.num_computed_tokens)
+        if self.grammar is not None:
+            child.grammar = self.grammar.deep_copy()
+        return child
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -378,6 +378,12 @@ class Scheduler:
         for token in tokens:
             seq.append_token(token)
             taken.append(token)
+            if seq.grammar is not None and not seq.grammar.consume_token(token):
+                # the mask allowed only tokens the grammar takes: this cannot happen unless
+                # the grammar hit a limit; never pass off such output as following it
+                seq.finish_reason = "abort"
+                seq.stop_reason = f"structured output error: {seq.grammar.get_error()}"
+                break
             stop = check_token_stop(request.params, seq.output_token_ids, request.eos_token_id,
                                     seq.num_prompt_tokens, self.config.max_model_len)
             if stop is not None:

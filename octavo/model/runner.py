@@ -149,10 +149,15 @@ class ModelRunner:
                 seq_ids.append(seq_id)
         if seq_ids:
             states = [self.batch.seqs[s] for s in seq_ids]
+            grammar = None
+            if plan.grammar_bitmask is not None:  # computed while the forward ran
+                row_of = {s: r for r, s in enumerate(seq_ids)}
+                grammar = ([row_of[s] for s in plan.grammar_bitmask.seq_ids],
+                           plan.grammar_bitmask.pending.result())
             meta = SamplingMetadata.from_params(
                 [s.params for s in states], [s.token_ids for s in states],
                 [s.num_prompt_tokens for s in states], self.config.vocab_size,
-                indices=[s.index for s in states], device=self.device,
+                indices=[s.index for s in states], device=self.device, grammar=grammar,
             )
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             result = self.sampler(logits.sample[index], meta)

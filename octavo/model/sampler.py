@@ -2,7 +2,8 @@
 
 The steps and their order follow vLLM so that outputs and user expectations match:
 logit_bias -> penalties (repetition on prompt+output, frequency/presence on output counts)
--> min_tokens ban -> greedy rows take argmax -> other rows: temperature, top-k, top-p, min-p,
+-> allowed tokens (structured outputs' grammar, allowed_token_ids) -> min_tokens and bad-word
+bans -> greedy rows take argmax -> other rows: temperature, top-k, top-p, min-p,
 then sample.
 
 Sampling uses the "exponential race" (argmax of probs / q with q ~ Exp(1)), which is equivalent
@@ -50,8 +51,17 @@ class Sampler:
                               accumulate=True)
         if batch.do_penalties:
             logits = apply_penalties(logits, batch)
+        if batch.allowed is not None:
+            logits = apply_allowed(logits, *batch.allowed)
         if any(batch.banned_token_ids):
+            before = logits.clone() if batch.allowed is not None else None
             logits = apply_bans(logits, batch.banned_token_ids)
+            if before is not None:
+                # a grammar that allows only EOS (complete) wins over min_tokens' EOS ban:
+                # a row left with no token at all keeps its allowed tokens
+                dead = torch.isneginf(logits).all(dim=-1)
+                if bool(dead.any()):
+                    logits[dead] = before[dead]
 
         tokens = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
         token_list = tokens.tolist()
@@ -111,6 +121,13 @@ def apply_penalties(logits: Tensor, batch: SamplingMetadata) -> Tensor:
     logits -= batch.frequency_penalties.unsqueeze(1) * output_counts
     logits -= batch.presence_penalties.unsqueeze(1) * output_mask
     return logits
+
+
+def apply_allowed(logits: Tensor, rows: Tensor, allowed: Tensor) -> Tensor:
+    """Set the logits of the tokens a row may not sample to -inf (grammar, allowed_token_ids)."""
+    sub = logits.index_select(0, rows)
+    sub.masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy_(0, rows, sub)
 
 
 def apply_bans(logits: Tensor, banned: Sequence[list[int]]) -> Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -44,6 +45,9 @@ class SamplingMetadata:
     logit_bias: tuple[list[int], list[int], list[float]] | None
     num_logprobs: list[int | None]
     vocab_size: int
+    # (rows, allowed [len(rows), V] bool): tokens those rows may sample (structured outputs'
+    # grammar bitmask and allowed_token_ids); every other row may sample any token
+    allowed: tuple[Tensor, Tensor] | None = None
     # Shortcuts so a plain batch skips work it does not need.
     all_greedy: bool = False
     do_penalties: bool = False
@@ -61,12 +65,15 @@ class SamplingMetadata:
         *,
         indices: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
+        grammar: tuple[list[int], np.ndarray] | None = None,
     ) -> SamplingMetadata:
         """Gather the rows' settings into tensors. Row r's sequence holds `token_ids[r]`, the
         first `num_prompt_tokens[r]` of them its prompt; `indices`: each row's output index
         among its request's n (0 when omitted). EOS is banned with the stop ids while a row
         has fewer than min_tokens outputs when the engine recorded it in the params
-        (SamplingParams.update_from_tokenizer)."""
+        (SamplingParams.update_from_tokenizer); a bad word's last token is banned where the
+        output ends with the rest of it. `grammar`: (rows, int32 bitmask words, one row each)
+        of the structured-output rows."""
         n = len(params)
         if not (len(token_ids) == len(num_prompt_tokens) == n):
             raise ValueError("params, token_ids and num_prompt_tokens differ in length")
@@ -84,6 +91,9 @@ class SamplingMetadata:
             if k < p.min_tokens else []
             for p, k in zip(params, num_outputs, strict=True)
         ]
+        for row, (p, t, k) in enumerate(zip(params, token_ids, num_prompt_tokens, strict=True)):
+            if p.bad_words_token_ids:
+                banned[row] = banned[row] + bad_word_bans(p.bad_words_token_ids, t[k:])
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_values: list[float] = []
@@ -124,4 +134,46 @@ class SamplingMetadata:
             do_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy, strict=True) if not g),
             do_top_p=any(p.top_p < 1.0 for p in non_greedy),
             do_min_p=any(p.min_p > 0.0 for p in non_greedy),
+            allowed=token_masks(params, vocab_size, grammar, device),
         )
+
+
+def bad_word_bans(bad_words: list[list[int]], output: Sequence[int]) -> list[int]:
+    """Last tokens of the bad words whose other tokens end the output (vLLM's rule: only the
+    output counts, not the prompt)."""
+    bans = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if len(prefix) > len(output):
+            continue
+        if not prefix or list(output[len(output) - len(prefix):]) == prefix:
+            bans.append(word[-1])
+    return bans
+
+
+def unpack_bitmask(words: np.ndarray, vocab_size: int) -> Tensor:
+    """int32 words (bit b of word w = token 32 w + b) -> bool [rows, vocab_size]."""
+    w = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int32))
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (w.unsqueeze(-1) >> shifts) & 1
+    return bits.view(w.shape[0], -1)[:, :vocab_size].bool()
+
+
+def token_masks(params: Sequence[SamplingParams], vocab_size: int,
+                grammar: tuple[list[int], np.ndarray] | None,
+                device: torch.device | str) -> tuple[Tensor, Tensor] | None:
+    limited = [r for r, p in enumerate(params) if p.allowed_token_ids]
+    grammar_rows = grammar[0] if grammar is not None else []
+    rows = sorted(set(limited) | set(grammar_rows))
+    if not rows:
+        return None
+    position = {r: i for i, r in enumerate(rows)}
+    allowed = torch.ones((len(rows), vocab_size), dtype=torch.bool)
+    if grammar is not None and grammar_rows:
+        index = torch.tensor([position[r] for r in grammar_rows], dtype=torch.long)
+        allowed[index] = unpack_bitmask(grammar[1], vocab_size)
+    for r in limited:
+        only = torch.zeros(vocab_size, dtype=torch.bool)
+        only[[t for t in params[r].allowed_token_ids if t < vocab_size]] = True
+        allowed[position[r]] &= only
+    return (torch.tensor(rows, dtype=torch.long, device=device), allowed.to(device))
