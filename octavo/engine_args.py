@@ -60,6 +60,7 @@ def _type_problem(kind: str, value: Any) -> str | None:
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": isinstance(value, int | float) and not isinstance(value, bool),
         "str": isinstance(value, str),
+        "tuple": isinstance(value, tuple),
     }[base]
     return None if ok else f"must be {'a ' + base if base != 'int' else 'an int'}, got {value!r}"
 
@@ -117,8 +118,13 @@ class EngineArgs:
         choices=("auto", "torch", "onednn"))
     fused_ops: str = _opt("auto", "auto, torch or cpu (compiled RMSNorm / RoPE / SiLU-and-mul)",
                           choices=("auto", "torch", "cpu"))
+    logits_processors: tuple = _opt(
+        (), "custom logits processors (octavo.model.logits_processor.LogitsProcessor "
+        "subclasses, or their names as pkg.module:Class; comma-separated on the command line)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.logits_processors, list):  # LLM(logits_processors=[...])
+            object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
         for f in fields(self):
             value = getattr(self, f.name)
             choices, check = f.metadata["choices"], f.metadata["check"]
@@ -201,6 +207,8 @@ def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
         return int
     if kind.startswith("float"):
         return float
+    if kind.startswith("tuple"):
+        return lambda text: tuple(part.strip() for part in text.split(",") if part.strip())
     return str
 
 
@@ -221,6 +229,10 @@ def to_cli_flags(options: dict[str, Any]) -> list[str]:
             raise TypeError(f"unknown engine option {name!r}")
         if isinstance(value, bool):
             out.append(flag(name) if value else "--no-" + flag(name)[2:])
+        elif isinstance(value, tuple):
+            if value:
+                out += [flag(name), ",".join(v if isinstance(v, str) else
+                                             f"{v.__module__}:{v.__qualname__}" for v in value)]
         elif value is not None:
             out += [flag(name), str(value)]
     return out

@@ -182,7 +182,8 @@ def test_the_sampler_never_sees_sampling_params_or_requests(graph):
 
 def test_paging_and_neutral_modules_need_no_third_party_package():
     stdlib_only = [m for m in MODULES if layer_of(m) in ("paging", "neutral")]
-    allowed = {"__future__", "argparse", "array", "bisect", "collections", "copy", "dataclasses",
+    allowed = {"__future__", "argparse", "array", "bisect", "collections", "concurrent", "copy",
+               "dataclasses",
                "difflib", "enum", "hashlib", "itertools", "json", "math", "pathlib", "re",
                "typing",
                "octavo"}

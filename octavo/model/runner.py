@@ -24,6 +24,7 @@ from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
 from octavo.model.linear import pack_linears
 from octavo.model.llama import LlamaForCausalLM, RotaryEmbedding
+from octavo.model.logits_processor import LogitsProcessors
 from octavo.model.sampler import Sampler, compute_logprobs
 from octavo.model.sampling_metadata import SamplingMetadata
 from octavo.step_plan import RunnerOutput, StepPlan
@@ -81,6 +82,7 @@ class ModelRunner:
         self.backend = get_backend(args.attention_backend, self.device)
         self.batch = InputBatch(args.block_size, self.device)
         self.sampler = Sampler()
+        self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
         self.kv_cache: KVCache | None = None
 
     # ---- start-up -------------------------------------------------------------------------
@@ -104,6 +106,8 @@ class ModelRunner:
         every sampling chunk's last token and of every prompt-logprobs chunk's tokens."""
         assert self.kv_cache is not None, "init_kv_cache first"
         self.batch.apply(plan)
+        for seq_id in plan.finished_seq_ids:
+            self.logits_processors.forget(seq_id)
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
         self.kv_cache.copy_blocks(plan.block_copies)
@@ -160,7 +164,18 @@ class ModelRunner:
                 indices=[s.index for s in states], device=self.device, grammar=grammar,
             )
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
-            result = self.sampler(logits.sample[index], meta)
+            custom = None
+            procs = self.logits_processors
+            if procs:
+                procs.update(seq_ids, [s.params for s in states],
+                             [s.token_ids[: s.num_prompt_tokens] for s in states],
+                             [s.token_ids[s.num_prompt_tokens:] for s in states])
+
+                def custom(x: torch.Tensor) -> torch.Tensor:
+                    return procs.apply(x, meta.all_greedy)
+            result = self.sampler(logits.sample[index], meta, custom)
+            if procs:
+                procs.record(seq_ids, result.sampled_token_ids)
             for seq_id, token, lp in zip(seq_ids, result.sampled_token_ids, result.logprobs,
                                          strict=True):
                 out.sampled_token_ids[seq_id] = [token]

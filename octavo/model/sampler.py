@@ -17,7 +17,7 @@ penalties), vLLM's default "raw_logprobs" mode.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +35,13 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless: everything a step needs is in the SamplingMetadata."""
+    """Stateless: everything a step needs is in the SamplingMetadata (stateful custom logits
+    processors are the runner's, passed in as one callable)."""
 
-    def __call__(self, logits: Tensor, batch: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: Tensor, batch: SamplingMetadata,
+                 custom: Callable[[Tensor], Tensor] | None = None) -> SamplerOutput:
+        """`custom`: the engine's logits processors (model/logits_processor.py), applied
+        after the penalties."""
         if logits.dim() != 2 or logits.shape[0] != len(batch.num_logprobs):
             raise ValueError(f"logits must be [N, V] with N={len(batch.num_logprobs)}")
         raw = logits
@@ -51,6 +55,8 @@ class Sampler:
                               accumulate=True)
         if batch.do_penalties:
             logits = apply_penalties(logits, batch)
+        if custom is not None:
+            logits = custom(logits)
         if batch.allowed is not None:
             logits = apply_allowed(logits, *batch.allowed)
         if any(batch.banned_token_ids):
