@@ -30,6 +30,7 @@ BENCHMARKS = {
     "sharing": "octavo.bench.sharing",
     "paging": "octavo.bench.paging_overhead",
     "reliability": "octavo.bench.reliability",
+    "structured": "octavo.bench.structured",
 }
 
 

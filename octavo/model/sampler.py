@@ -131,6 +131,8 @@ def apply_penalties(logits: Tensor, batch: SamplingMetadata) -> Tensor:
 
 def apply_allowed(logits: Tensor, rows: Tensor, allowed: Tensor) -> Tensor:
     """Set the logits of the tokens a row may not sample to -inf (grammar, allowed_token_ids)."""
+    if rows.numel() == logits.shape[0]:  # every row constrained: no gather / scatter
+        return logits.masked_fill_(~allowed, float("-inf"))
     sub = logits.index_select(0, rows)
     sub.masked_fill_(~allowed, float("-inf"))
     return logits.index_copy_(0, rows, sub)
