@@ -15,6 +15,7 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0
 DEFAULT_LIMIT_CONCURRENCY = 4096
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+DEFAULT_MAX_STORED_RESPONSES = 1000
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-sequences-per-request", type=int,
                    default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                    help="answer 400 when prompts x n exceeds this")
+    a = p.add_argument_group("tools and reasoning (vLLM's flag names)")
+    a.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide when to call tools (tool_choice 'auto', the "
+                   "default when a request has tools); needs --tool-call-parser")
+    a.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                   help="how tool calls are read from the model's output (and taught to models "
+                   "whose chat template does not render tools)")
+    a.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split <think>...</think> reasoning into reasoning_content")
+    a.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
+                   help="responses kept in memory for previous_response_id (/v1/responses "
+                   "with store=true); the oldest go first")
     c = p.add_argument_group("connections (uvicorn's names where it has one)")
     c.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
                    help="close a connection that has not sent a whole request head this many "

@@ -26,6 +26,7 @@ from octavo.server.args import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    DEFAULT_MAX_STORED_RESPONSES,
     DEFAULT_MAX_WAITING_REQUESTS,
     DEFAULT_SHUTDOWN_TIMEOUT,
     DEFAULT_TIMEOUT_KEEP_ALIVE,
@@ -54,12 +55,18 @@ class ServerConfig:
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    # tools and reasoning (server/tools.py, server/chat_output.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         for name in ("max_request_body_bytes", "max_prompts_per_request",
-                     "max_sequences_per_request", "limit_concurrency"):
+                     "max_sequences_per_request", "limit_concurrency",
+                     "max_stored_responses"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("header_timeout", "timeout_keep_alive", "shutdown_timeout"):
@@ -146,19 +153,34 @@ class ServerContext:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._off_loop(self._worker_tokenizer.decode, token_ids)
 
+    @property
+    def chat_template(self) -> str | None:
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):  # named templates: the default one
+            template = template.get("default") or next(iter(template.values()), None)
+        return template
+
     async def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
+        continue_final_message: bool = False, *, tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         if not self._worker_tokenizer.chat_template:
             raise bad_request("the model's tokenizer has no chat template", "messages")
-        self.check_prompt_chars(sum(_text_length(m) for m in messages), "messages")
+        self.check_prompt_chars(sum(_text_length(m) for m in messages) + _text_length(tools),
+                                "messages")
+        extra = dict(template_kwargs or {})
+        for reserved in ("messages", "tools", "tokenize", "add_generation_prompt",
+                         "continue_final_message", "return_dict"):
+            if reserved in extra:
+                raise bad_request(f"chat_template_kwargs may not set {reserved!r}",
+                                  "chat_template_kwargs")
 
         def render() -> list[int]:
             return list(self._worker_tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt and not
+                messages, tools=tools, add_generation_prompt=add_generation_prompt and not
                 continue_final_message, continue_final_message=continue_final_message,
-                tokenize=True, return_dict=False,
+                tokenize=True, return_dict=False, **extra,
             ))
 
         try:

@@ -121,6 +121,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     key = read_api_key(args)
     if args.protect_metrics and not key:
         raise ValueError("--protect-metrics needs an API key (--api-key or --api-key-file)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     return ServerConfig(
         # empty: the model directory's name (filled in by ServerContext)
         served_model_names=list(args.served_model_name or ([args.model] if args.model else [])),
@@ -134,6 +136,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         timeout_keep_alive=args.timeout_keep_alive,
         limit_concurrency=args.limit_concurrency,
         shutdown_timeout=args.shutdown_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        max_stored_responses=args.max_stored_responses,
     )
 
 

@@ -14,7 +14,18 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from octavo.server.protocol_agent import (
+    ChatTool,
+    DeltaToolCall,
+    GuidedFields,
+    ResponseFormat,
+    ToolCallIn,
+    ToolCallOut,
+    ToolChoice,
+)
+from octavo.server.protocol_base import OpenAIBaseModel, RequestModel
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
@@ -27,51 +38,6 @@ TokenIdString = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # logit_bias key
 StopString = Annotated[str, Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-
-
-class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class _Unencodable(ValueError):
-    pass
-
-
-def _normalised(value: Any, path: str) -> Any:
-    """A JSON body as the strict models read it: every string checked to be valid Unicode (a
-    lone surrogate is an error naming where it is), and every number with no fractional part
-    an integer, as JSON Schema counts them (2.0 is the integer 2; 2.5 and "2" are not)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise _Unencodable(f"{path or 'body'}: text is not valid Unicode (a lone "
-                               f"surrogate at character {e.start})") from None
-        return value
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else value
-    if isinstance(value, dict):
-        out = {}
-        for key, item in value.items():
-            _normalised(key, path)
-            out[key] = _normalised(item, f"{path}.{key}" if path else str(key))
-        return out
-    if isinstance(value, list):
-        return [_normalised(item, f"{path}.{i}" if path else str(i))
-                for i, item in enumerate(value)]
-    return value
-
-
-class RequestModel(OpenAIBaseModel):
-    """What clients send: strict types, finite numbers, encodable text."""
-
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _json_values(cls, data: Any) -> Any:
-        # before the fields: a lone surrogate gets this message wherever it sits
-        return _normalised(data, "")
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -114,6 +80,8 @@ class SamplingFields(RequestModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     logit_bias: dict[TokenIdString, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM
+    bad_words: list[NonEmptyText] | None = None  # vLLM
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -128,7 +96,7 @@ class SamplingFields(RequestModel):
 
 
 # ---- /v1/completions -----------------------------------------------------------------------
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, GuidedFields):
     prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
@@ -138,6 +106,7 @@ class CompletionRequest(SamplingFields):
     logprobs: TopLogprobs | None = None
     suffix: str | None = None
     prompt_logprobs: TopLogprobs | None = None  # vLLM extension
+    response_format: ResponseFormat | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -208,15 +177,32 @@ class TextContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    # name, tool_call_id, ... reach the template; the request checks the text (RequestModel)
+    # name and other fields reach the template; the request checks the text (RequestModel)
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     role: Role
     content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs tool_call_id (the id of the "
+                             "call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not '{self.role}'")
+        return self
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, GuidedFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
@@ -242,6 +228,8 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -264,6 +252,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):

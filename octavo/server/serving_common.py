@@ -25,7 +25,7 @@ from octavo.engine.async_engine import (
     RequestStream,
 )
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import SamplingParams, StructuredOutputsParams
 from octavo.server.context import ServerContext
 from octavo.server.errors import OpenAIError, bad_request, error_body
 from octavo.server.protocol import SamplingFields, UsageInfo
@@ -39,6 +39,7 @@ CLIENT_CLOSED_REQUEST = 499
 def to_sampling_params(
     ctx: ServerContext, body: SamplingFields, *, max_tokens: int | None,
     logprobs: int | None, prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """Map OpenAI/vLLM request fields to SamplingParams; its ValueErrors become 400s."""
     logit_bias = None
@@ -60,6 +61,8 @@ def to_sampling_params(
                           "priority")
     if body.stop_token_ids:
         ctx.check_token_ids(body.stop_token_ids, "stop_token_ids")
+    if body.allowed_token_ids:
+        ctx.check_token_ids(body.allowed_token_ids, "allowed_token_ids")
     try:
         return SamplingParams(
             n=body.n,
@@ -82,6 +85,9 @@ def to_sampling_params(
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=logit_bias,
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
+            structured_outputs=structured_outputs,
         )
     except (ValueError, TypeError) as e:
         raise bad_request(str(e)) from e
