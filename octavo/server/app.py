@@ -40,6 +40,8 @@ from octavo.server.protocol import (
 )
 from octavo.server.serving_chat import create_chat_completion
 from octavo.server.serving_completions import create_completion
+from octavo.server.serving_messages import messages_router
+from octavo.server.serving_responses import responses_router
 from octavo.server.serving_tokens import detokenize, tokenize
 
 
@@ -87,6 +89,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
               responses=generated(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, body, raw)
+
+    app.include_router(messages_router(ctx))  # /v1/messages, Anthropic's errors
+    app.include_router(responses_router(ctx))  # /v1/responses, GET/DELETE by id
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

@@ -67,7 +67,7 @@ def _is_type_tag(part: object) -> bool:
         "[" in part or "-" in part or part in _TYPE_TAGS or part[:1].isupper())
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
@@ -96,7 +96,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -34,7 +34,8 @@ def bearer_token(header: bytes) -> bytes:
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches; constant-time comparison."""
+    """401 unless `Authorization: Bearer <key>` or `x-api-key: <key>` (how Anthropic's clients
+    send it) matches; constant-time comparison."""
 
     def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
@@ -46,9 +47,12 @@ class APIKeyMiddleware:
                 or scope["method"] == "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
-        if not given or not hmac.compare_digest(given, self.expected):
-            await send_error(send, 401, "missing or invalid API key (Authorization: Bearer ...)")
+        headers = dict(scope["headers"])
+        given = (bearer_token(headers.get(b"authorization", b"")),
+                 headers.get(b"x-api-key", b"").strip())
+        if not any(key and hmac.compare_digest(key, self.expected) for key in given):
+            await send_error(send, 401, "missing or invalid API key (Authorization: Bearer ... "
+                             "or x-api-key)")
             return
         await self.app(scope, receive, send)
 

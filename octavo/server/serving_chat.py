@@ -107,9 +107,7 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest) -> ChatRun
                      max_completion_tokens=body.max_completion_tokens)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else (
         body.max_tokens)
-    check_tool_messages(body.messages)
-    tools = plan_tools(body, auto_enabled=ctx.config.enable_auto_tool_choice,
-                       parser_name=ctx.config.tool_call_parser)
+    ids, tools = await render_chat_prompt(ctx, body)
     constraint = structured_outputs_of(body, body.response_format)
     if tools.constraint is not None:
         if constraint is not None:
@@ -117,6 +115,26 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest) -> ChatRun
                               "cannot be combined with response_format or structured_outputs",
                               "tool_choice")
         constraint = tools.constraint
+    check_context_length(ctx, len(ids), max_tokens, "messages")
+    params = to_sampling_params(ctx, body, max_tokens=max_tokens, logprobs=top_k,
+                                structured_outputs=constraint)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await start_requests(ctx, request_id, [{"prompt_token_ids": ids}], params,
+                                   body.priority, "response_format" if constraint else "messages")
+    reasoning = (get_reasoning_parser(ctx.config.reasoning_parser)
+                 if ctx.config.reasoning_parser else None)
+    run = ChatRun(ctx, body, request_id, streams, top_k, tools, reasoning)
+    run.num_prompt_tokens = len(ids)
+    return run
+
+
+async def render_chat_prompt(ctx: ServerContext, body: ChatCompletionRequest
+                             ) -> tuple[list[int], ToolPlan]:
+    """The prompt's token ids (messages and tools through the chat template) and the tool
+    plan; /v1/messages/count_tokens counts the same ids."""
+    check_tool_messages(body.messages)
+    tools = plan_tools(body, auto_enabled=ctx.config.enable_auto_tool_choice,
+                       parser_name=ctx.config.tool_call_parser)
     messages = template_messages(messages_to_dicts(body.messages))
     template_tools = None
     if tools.tools:
@@ -127,15 +145,7 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest) -> ChatRun
     ids = await ctx.apply_chat_template(messages, body.add_generation_prompt,
                                         body.continue_final_message, tools=template_tools,
                                         template_kwargs=body.chat_template_kwargs)
-    check_context_length(ctx, len(ids), max_tokens, "messages")
-    params = to_sampling_params(ctx, body, max_tokens=max_tokens, logprobs=top_k,
-                                structured_outputs=constraint)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await start_requests(ctx, request_id, [{"prompt_token_ids": ids}], params,
-                                   body.priority, "response_format" if constraint else "messages")
-    reasoning = (get_reasoning_parser(ctx.config.reasoning_parser)
-                 if ctx.config.reasoning_parser else None)
-    return ChatRun(ctx, body, request_id, streams, top_k, tools, reasoning)
+    return ids, tools
 
 
 class ChatRun:
@@ -153,6 +163,7 @@ class ChatRun:
         self.reasoning = reasoning
         self.created = int(time.time())
         self.final: RequestOutput | None = None  # the last output seen
+        self.num_prompt_tokens = 0
 
     def cancel(self) -> None:
         cancel_all(self.streams)
