@@ -6,12 +6,13 @@ The public names are imported lazily, so `import octavo.paging` stays free of to
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]
 
 if TYPE_CHECKING:
     from octavo.llm import LLM
     from octavo.outputs import CompletionOutput, RequestOutput
-    from octavo.sampling_params import BeamSearchParams, SamplingParams
+    from octavo.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -19,7 +20,7 @@ def __getattr__(name: str):
         from octavo.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "BeamSearchParams"):
+    if name in ("SamplingParams", "BeamSearchParams", "StructuredOutputsParams"):
         from octavo import sampling_params
 
         return getattr(sampling_params, name)
