@@ -147,6 +147,7 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             outputs=outputs,
             finished=finished,
+            num_cached_tokens=request.num_cached_tokens or 0,
             metrics={
                 "arrival_time": request.arrival_time,
                 "first_scheduled_time": request.first_scheduled_time,

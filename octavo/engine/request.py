@@ -108,6 +108,8 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # prompt tokens found in the prefix cache when it was first scheduled
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.seqs:

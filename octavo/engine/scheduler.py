@@ -257,6 +257,8 @@ class Scheduler:
                 return None
             done.append((seq, seq.num_computed_tokens - n, n, new))
             budget -= n
+        if request.num_cached_tokens is None:  # vLLM's count: the first admission's hits
+            request.num_cached_tokens = done[0][1] if done else 0
         return done
 
     def _emit(self, request: Request, seq: Sequence, start: int, n: int, new: NewBlocks,
@@ -378,12 +380,20 @@ class Scheduler:
         for token in tokens:
             seq.append_token(token)
             taken.append(token)
-            if seq.grammar is not None and not seq.grammar.consume_token(token):
-                # the mask allowed only tokens the grammar takes: this cannot happen unless
-                # the grammar hit a limit; never pass off such output as following it
-                seq.finish_reason = "abort"
-                seq.stop_reason = f"structured output error: {seq.grammar.get_error()}"
-                break
+            if seq.grammar is not None:
+                if not seq.grammar.consume_token(token):
+                    # the mask allowed only tokens the grammar takes: this happens only when
+                    # nothing was allowed (allowed_token_ids outside the grammar) or the
+                    # grammar hit a limit; never pass off such output as following it
+                    error = seq.grammar.get_error().strip().splitlines()
+                    seq.finish_reason = "abort"
+                    seq.stop_reason = ("structured output error: "
+                                       f"{error[0] if error else 'token not allowed'}")
+                    break
+                if token == request.eos_token_id and not request.params.ignore_eos:
+                    # the grammar is complete and allowed only EOS: it wins over min_tokens
+                    seq.finish_reason, seq.stop_reason = "stop", None
+                    break
             stop = check_token_stop(request.params, seq.output_token_ids, request.eos_token_id,
                                     seq.num_prompt_tokens, self.config.max_model_len)
             if stop is not None:

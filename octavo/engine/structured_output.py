@@ -82,9 +82,9 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
                        else DEFAULT_JSON_OPTIONS)
         if spec.whitespace_pattern is not None:
             options = {"whitespace_flexible": True, "whitespace_pattern": spec.whitespace_pattern}
+        schema = json_schema_of(spec)
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(json_schema_of(spec),
-                                                                 defaults=options)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except ValueError as e:
             raise GrammarError(f"structured outputs: invalid JSON schema: {e}") from None
     if kind == "regex":

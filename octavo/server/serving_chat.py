@@ -108,19 +108,19 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest) -> ChatRun
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else (
         body.max_tokens)
     ids, tools = await render_chat_prompt(ctx, body)
-    constraint = structured_outputs_of(body, body.response_format)
+    constraint, constraint_param = structured_outputs_of(body, body.response_format)
     if tools.constraint is not None:
         if constraint is not None:
             raise bad_request(f"tool_choice {tools.mode!r} constrains the output itself; it "
                               "cannot be combined with response_format or structured_outputs",
                               "tool_choice")
-        constraint = tools.constraint
+        constraint, constraint_param = tools.constraint, "tools"
     check_context_length(ctx, len(ids), max_tokens, "messages")
     params = to_sampling_params(ctx, body, max_tokens=max_tokens, logprobs=top_k,
                                 structured_outputs=constraint)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(ctx, request_id, [{"prompt_token_ids": ids}], params,
-                                   body.priority, "response_format" if constraint else "messages")
+                                   body.priority, constraint_param or "messages")
     reasoning = (get_reasoning_parser(ctx.config.reasoning_parser)
                  if ctx.config.reasoning_parser else None)
     run = ChatRun(ctx, body, request_id, streams, top_k, tools, reasoning)

@@ -98,13 +98,13 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and body.echo and body.logprobs is not None:
         prompt_logprobs = body.logprobs
-    constraint = structured_outputs_of(body, body.response_format)
+    constraint, constraint_param = structured_outputs_of(body, body.response_format)
     params = to_sampling_params(ctx, body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                 prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     engine_prompts = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
     streams = await start_requests(ctx, request_id, engine_prompts, params, body.priority,
-                                   "response_format" if constraint else "prompt")
+                                   constraint_param or "prompt")
     if body.echo:  # the text of token-id prompts, decoded off the loop
         for p in prompts:
             if p.text is None:

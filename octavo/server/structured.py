@@ -15,8 +15,9 @@ from octavo.server.errors import bad_request
 from octavo.server.protocol_agent import GuidedFields, ResponseFormat
 
 
-def structured_outputs_of(body: GuidedFields,
-                          response_format: ResponseFormat | None) -> StructuredOutputsParams | None:
+def structured_outputs_of(body: GuidedFields, response_format: ResponseFormat | None
+                          ) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint and the field it came from (errors name that field)."""
     given: list[tuple[str, dict[str, Any]]] = []
     if response_format is not None and response_format.type != "text":
         if response_format.type == "json_object":
@@ -37,13 +38,13 @@ def structured_outputs_of(body: GuidedFields,
             guided["whitespace_pattern"] = body.guided_whitespace_pattern
         given.append(("guided_" + next(iter(guided)), guided))
     if not given:
-        return None
+        return None, None
     if len(given) > 1:
         names = ", ".join(name for name, _ in given)
         raise bad_request(f"give one structured-output constraint, not several ({names})",
                           given[1][0])
     param, fields = given[0]
     try:
-        return StructuredOutputsParams(**fields)
+        return StructuredOutputsParams(**fields), param
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), param) from e

@@ -29,7 +29,9 @@ from octavo.server.tool_parsers import ToolParser, get_tool_parser
 from octavo.server.tool_parsers.base import ToolCall
 
 ToolMode = Literal["none", "auto", "required", "named"]
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# a tool without `parameters` takes none (OpenAI's reading): its arguments are {}
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
+                                    "additionalProperties": False}
 
 
 @dataclass
