@@ -56,9 +56,9 @@ class SeqChunk:
 class GrammarBitmask:
     """Tokens each constrained sequence may sample this step (structured outputs).
 
-    `pending` resolves (on the engine's grammar thread, while the forward pass runs) to an
-    int32 array [len(seq_ids), ceil(vocab / 32)]: bit b of word w of row r set means token
-    32 * w + b is allowed for sequence seq_ids[r].
+    `pending` resolves (on the engine's grammar thread, while the forward pass runs) to a
+    uint8 array [len(seq_ids), vocab]: entry [r, t] is 1 when token t is allowed for sequence
+    seq_ids[r].
     """
 
     seq_ids: list[int]

@@ -12,7 +12,8 @@ from it when its request comes in, and
 
 The matcher state is always that of the sequence's output tokens: preemption (recompute or
 swap) keeps those tokens, so nothing needs rebuilding; a fork (n > 1) copies the matcher. No
-torch here: masks are numpy int32 words, 32 tokens each (bit set = allowed).
+torch here: llguidance fills int32 words (32 tokens each, bit set = allowed), which the worker
+unpacks to one byte per token.
 """
 
 from __future__ import annotations
@@ -189,7 +190,9 @@ class StructuredOutputs:
         mask = np.full((len(matchers), self.num_words), -1, dtype=np.int32)
         lln.fill_next_token_bitmask_par(self._executor,
                                         [(m, i) for i, m in enumerate(matchers)], mask)
-        return mask
+        # one byte per token (1 = allowed), unpacked here too, off the sampler's path
+        allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")
+        return np.ascontiguousarray(allowed[:, : self.vocab_size])
 
     @staticmethod
     def wait(plan: StepPlan) -> None:

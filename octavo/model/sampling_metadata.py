@@ -72,7 +72,7 @@ class SamplingMetadata:
         among its request's n (0 when omitted). EOS is banned with the stop ids while a row
         has fewer than min_tokens outputs when the engine recorded it in the params
         (SamplingParams.update_from_tokenizer); a bad word's last token is banned where the
-        output ends with the rest of it. `grammar`: (rows, int32 bitmask words, one row each)
+        output ends with the rest of it. `grammar`: (rows, uint8 [rows, vocab] allowed tokens)
         of the structured-output rows."""
         n = len(params)
         if not (len(token_ids) == len(num_prompt_tokens) == n):
@@ -151,19 +151,18 @@ def bad_word_bans(bad_words: list[list[int]], output: Sequence[int]) -> list[int
     return bans
 
 
-def unpack_bitmask(words: np.ndarray, vocab_size: int) -> Tensor:
-    """int32 words (bit b of word w = token 32 w + b) -> bool [rows, vocab_size]."""
-    w = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int32))
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (w.unsqueeze(-1) >> shifts) & 1
-    return bits.view(w.shape[0], -1)[:, :vocab_size].bool()
-
-
 def token_masks(params: Sequence[SamplingParams], vocab_size: int,
                 grammar: tuple[list[int], np.ndarray] | None,
                 device: torch.device | str) -> tuple[Tensor, Tensor] | None:
+    """(rows, allowed [rows, vocab] bool) of the rows limited by a grammar (`grammar`: their
+    rows and uint8 [rows, vocab] allowed bytes) or by allowed_token_ids."""
     limited = [r for r, p in enumerate(params) if p.allowed_token_ids]
     grammar_rows = grammar[0] if grammar is not None else []
+    if grammar is not None and grammar_rows and not limited and grammar_rows == sorted(
+            set(grammar_rows)):
+        # the common case: the grammar's bytes are the mask as they are (a zero-copy view)
+        allowed = torch.from_numpy(grammar[1]).view(torch.bool)
+        return (torch.tensor(grammar_rows, dtype=torch.long, device=device), allowed.to(device))
     rows = sorted(set(limited) | set(grammar_rows))
     if not rows:
         return None
@@ -171,7 +170,7 @@ def token_masks(params: Sequence[SamplingParams], vocab_size: int,
     allowed = torch.ones((len(rows), vocab_size), dtype=torch.bool)
     if grammar is not None and grammar_rows:
         index = torch.tensor([position[r] for r in grammar_rows], dtype=torch.long)
-        allowed[index] = unpack_bitmask(grammar[1], vocab_size)
+        allowed[index] = torch.from_numpy(grammar[1]).view(torch.bool)
     for r in limited:
         only = torch.zeros(vocab_size, dtype=torch.bool)
         only[[t for t in params[r].allowed_token_ids if t < vocab_size]] = True
