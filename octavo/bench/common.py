@@ -38,10 +38,28 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni",
+              "avx_vnni")
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD flags of /proc/cpuinfo that decide the CPU kernels (empty off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in SIMD_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
 def machine_info() -> dict[str, Any]:
     """Where a number was measured; torch is imported lazily (model-free benches skip it)."""
     info: dict[str, Any] = {
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -68,13 +68,19 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     llm.generate(texts[:4], constrained(99)[:4], use_tqdm=False)  # warm: compile, tokenizer
     rows: dict[str, list[dict]] = {"json_schema": [], "unconstrained": []}
     valid = total = 0
+    invalid: list[dict] = []
     for rep in range(repeats):
         start = time.perf_counter()
         outs = llm.generate(texts, constrained(rep), use_tqdm=False)
         elapsed = time.perf_counter() - start
         lengths = [len(o.outputs[0].token_ids) for o in outs]
-        valid += sum(validate(name, o.outputs[0].text) for (name, _), o in zip(batch, outs,
-                                                                               strict=True))
+        for (name, _), o in zip(batch, outs, strict=True):
+            c = o.outputs[0]
+            if validate(name, c.text):
+                valid += 1
+            else:  # kept for the report: which schema, why it ended, how it ends
+                invalid.append({"schema": name, "finish_reason": c.finish_reason,
+                                "tokens": len(c.token_ids), "tail": c.text[-80:]})
         total += len(outs)
         rows["json_schema"].append({"elapsed_s": elapsed, "tokens": sum(lengths)})
         free = [SamplingParams(temperature=1.0, seed=opts.seed + 1000 * rep + i, max_tokens=k,
@@ -102,13 +108,17 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                   for kind, s in summary.items()]),
         "",
         f"Constrained / unconstrained throughput: {ratio:.3f} (overhead {100 * overhead:.1f}%, "
-        f"goal <= 10%). Outputs that parse and validate: {valid}/{total}.",
+        f"goal <= 10%). Outputs that parse and validate: {valid}/{total}"
+        + (": the others ended by " + ", ".join(
+            f"{i['finish_reason']} after {i['tokens']} tokens ({i['schema']}, ...{i['tail']!r})"
+            for i in invalid) if invalid else "."),
     ]
     res = BenchResult("structured", opts.command,
                       {"requests": n, "batch": BATCH, "repeats": repeats, "dtype": dtype,
-                       "backend": "llguidance"},
+                       "grammar_backend": "llguidance",
+                       "kernel_path": llm.engine.runner.kernel_path()},
                       {"summary": summary, "ratio": ratio, "overhead": overhead,
-                       "valid": valid, "total": total},
+                       "valid": valid, "total": total, "invalid": invalid},
                       "\n".join(md), elapsed_s=time.perf_counter() - t0)
     return res, plot
 

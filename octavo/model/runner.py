@@ -22,7 +22,7 @@ from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
 from octavo.model.cpu_ops import select_cpu_ops
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
-from octavo.model.linear import pack_linears
+from octavo.model.linear import PackedLinear, pack_linears
 from octavo.model.llama import LlamaForCausalLM, RotaryEmbedding
 from octavo.model.logits_processor import LogitsProcessors
 from octavo.model.sampler import Sampler, compute_logprobs
@@ -84,6 +84,14 @@ class ModelRunner:
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
         self.kv_cache: KVCache | None = None
+
+    def kernel_path(self) -> dict[str, str]:
+        """Which kernels this runner took (benchmarks record it next to the CPU's flags)."""
+        modules = list(self.model.modules())
+        linear = "onednn" if any(isinstance(m, PackedLinear) for m in modules) else "torch"
+        fused = "cpu" if any(getattr(m, "ops", None) is not None for m in modules) else "torch"
+        return {"device": str(self.device), "dtype": self.args.dtype,
+                "attention": type(self.backend).__name__, "linear": linear, "fused_ops": fused}
 
     # ---- start-up -------------------------------------------------------------------------
     def size_kv_blocks(self, mem_get_info: MemInfo | None = None) -> KVBlockCounts:
