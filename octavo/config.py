@@ -7,16 +7,22 @@ way: CLI flags / LLM kwargs -> EngineArgs -> these -> the parts. A neutral modul
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LLAMA_FAMILY = {"llama", "mistral", "qwen2"}
+# HF model_type -> the architecture octavo runs it with (octavo/model/registry.py maps these
+# to classes); a neutral module cannot import the model package, so the names live here
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# model types whose attention honours sliding_window; the others run only up to the window
+# (where full attention is the same thing)
+SLIDING_WINDOW_TYPES: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The architecture of a Llama-family model, read from an HF ``config.json``."""
+    """The architecture of a decoder-only model, read from an HF ``config.json``: the fields
+    every family shares, plus the whole HF dict (`hf`) for what only one family reads."""
 
     vocab_size: int
     hidden_size: int
@@ -30,10 +36,15 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k and v
+    o_proj_bias: bool = False  # and on the output projection (Llama's attention_bias; not Qwen2)
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+    # tokens each query sees, itself included (HF's sliding_window); None: all before it
+    sliding_window: int | None = None
+    hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -45,10 +56,10 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         model_type = d.get("model_type")
-        if model_type not in LLAMA_FAMILY:
+        if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"unsupported model_type {model_type!r}: octavo runs Llama-family models "
-                f"({', '.join(sorted(LLAMA_FAMILY))})"
+                f"unsupported model_type {model_type!r}; octavo runs these model types: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         num_heads = d["num_attention_heads"]
         # transformers >= 5 keeps rope settings in `rope_parameters`; older configs use
@@ -72,13 +83,37 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            o_proj_bias=model_type != "qwen2" and bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            model_type=model_type,
+            sliding_window=_sliding_window(d),
+            hf=dict(d),
         )
+
+    @property
+    def max_len(self) -> tuple[int, str]:
+        """The longest sequence this model runs exactly, and what sets it."""
+        if self.sliding_window and self.model_type not in SLIDING_WINDOW_TYPES and (
+                self.sliding_window < self.max_position_embeddings):
+            return self.sliding_window, (
+                f"its sliding window ({self.sliding_window} tokens; octavo runs {self.model_type}"
+                " with full attention, which is the same within the window)")
+        return self.max_position_embeddings, (
+            f"its max_position_embeddings ({self.max_position_embeddings})")
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _sliding_window(d: dict[str, Any]) -> int | None:
+    """HF's sliding_window when it applies (Qwen2/3 set it but switch it off with
+    use_sliding_window false)."""
+    window = d.get("sliding_window")
+    if not window or d.get("use_sliding_window") is False:
+        return None
+    return int(window)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,19 +15,17 @@ from octavo.paging.kv_manager import KVCacheManager
 
 def check_max_model_len(args: EngineArgs, model: ModelConfig) -> None:
     """What can be checked before the weights load."""
-    limit = model.max_position_embeddings
+    limit, why = model.max_len
     if args.max_model_len is not None and args.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings "
-            f"({limit})"
-        )
+        raise ValueError(f"max_model_len={args.max_model_len} exceeds what this model allows: "
+                         f"{why}")
 
 
 def resolve_max_model_len(args: EngineArgs, model: ModelConfig, num_blocks: int) -> int:
     check_max_model_len(args, model)
     capacity = num_blocks * args.block_size
     if args.max_model_len is None:
-        return min(model.max_position_embeddings, capacity)
+        return min(model.max_len[0], capacity)
     if args.max_model_len > capacity:
         raise ValueError(
             f"max_model_len={args.max_model_len} tokens do not fit in the KV cache "

@@ -22,9 +22,11 @@ from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
 from octavo.model.cpu_ops import select_cpu_ops
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
+from octavo.model.layers import RotaryEmbedding
 from octavo.model.linear import PackedLinear, pack_linears
-from octavo.model.llama import LlamaForCausalLM, RotaryEmbedding
+from octavo.model.llama import LlamaForCausalLM
 from octavo.model.logits_processor import LogitsProcessors
+from octavo.model.registry import model_class
 from octavo.model.sampler import Sampler, compute_logprobs
 from octavo.model.sampling_metadata import SamplingMetadata
 from octavo.step_plan import RunnerOutput, StepPlan
@@ -44,7 +46,7 @@ def load_model(
     max_positions: int, linear_backend: str | None = None, fused_ops: str | None = None,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = model_class(config)(config, max_positions)
     model = model.to_empty(device=device)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):

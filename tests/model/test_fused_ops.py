@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo.model.cpu_ops import load_cpu_ops
-from octavo.model.llama import RMSNorm, apply_rope
+from octavo.model.layers import RMSNorm, apply_rope
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="compiled CPU ops unavailable")
