@@ -13,10 +13,11 @@ from typing import Any
 
 # HF model_type -> the architecture octavo runs it with (octavo/model/registry.py maps these
 # to classes); a neutral module cannot import the model package, so the names live here
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "mixtral",
+                         "gemma2", "gemma3_text")
 # model types whose attention honours sliding_window; the others run only up to the window
 # (where full attention is the same thing)
-SLIDING_WINDOW_TYPES: tuple[str, ...] = ()
+SLIDING_WINDOW_TYPES: tuple[str, ...] = ("gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,8 @@ class ModelConfig:
         # transformers >= 5 keeps rope settings in `rope_parameters`; older configs use
         # `rope_theta` + `rope_scaling`.
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): global's
+            rope = dict(rope["full_attention"])
         rope_theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos = d.get("eos_token_id")
@@ -82,7 +85,8 @@ class ModelConfig:
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(d.get("qkv_bias", True)) if model_type == "qwen2_moe" else
+            bool(d.get("attention_bias", model_type == "qwen2")),
             o_proj_bias=model_type != "qwen2" and bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id"),

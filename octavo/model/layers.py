@@ -123,6 +123,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        # local attention over the last `window` keys, and the score soft cap (Gemma sets them)
+        self.window: int | None = None
+        self.softcap: float | None = None
         self.ops: Any = None  # compiled CPU ops, when enabled
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
@@ -145,7 +148,11 @@ class Attention(nn.Module):
         if self.ops is None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        if self.window is None and self.softcap is None:
+            o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        else:
+            o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale,
+                                window=self.window, softcap=self.softcap)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

@@ -2,13 +2,17 @@
 
 Mistral and Qwen2 are Llama's computation (Qwen2 with the qkv bias its config implies, see
 config.py); Qwen3 and Phi-3 differ in a layer or in their checkpoint's layout.
+Qwen2-MoE and Mixtral swap MLPs for sparse mixture-of-experts blocks (moe.py).
 """
 
 from __future__ import annotations
 
 from octavo.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from octavo.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from octavo.model.llama import LlamaForCausalLM
+from octavo.model.mixtral import MixtralForCausalLM
 from octavo.model.phi3 import Phi3ForCausalLM
+from octavo.model.qwen2_moe import Qwen2MoeForCausalLM
 from octavo.model.qwen3 import Qwen3ForCausalLM
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -17,6 +21,10 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,  # sparse MoE blocks (moe.py)
+    "mixtral": MixtralForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 assert set(MODELS) == set(SUPPORTED_MODEL_TYPES), "config.SUPPORTED_MODEL_TYPES is out of date"
 

@@ -46,5 +46,9 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        ...
+        """`window` (local attention): a query at position p sees only the keys at positions
+        (p - window, p]; `softcap`: scores become tanh(s / softcap) * softcap before the softmax.
+        Both None: plain causal attention."""

@@ -45,7 +45,10 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None):
+        if window is not None or softcap is not None:
+            return self._forward_masked(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -56,13 +59,51 @@ class TorchAttentionBackend(AttentionBackend):
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale)
         return out
 
+    def _forward_masked(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                        window: int | None, softcap: float | None) -> torch.Tensor:
+        """Sliding-window and/or soft-capped attention (Gemma): an explicit mask per query,
+        scores through the soft cap; the plain path above is left as it is."""
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
+        block_size = k_cache.shape[1]
+        for chunk in meta.prefills:
+            s, e = chunk.query_start, chunk.query_end
+            qlen = e - s
+            ctx = chunk.start_pos + qlen
+            q_pos = torch.arange(chunk.start_pos, ctx, device=q.device)
+            if chunk.start_pos == 0:
+                keys, values, first = k[s:e], v[s:e], 0
+            else:
+                # only the blocks that hold a key some query of the chunk still sees
+                lo = 0 if window is None else max(0, chunk.start_pos - window + 1)
+                first_block, nblocks = lo // block_size, -(-ctx // block_size)
+                table = chunk.block_table[first_block:nblocks]
+                first = first_block * block_size
+                keys = gather_blocks(k_cache, table)[: ctx - first]
+                values = gather_blocks(v_cache, table)[: ctx - first]
+            k_pos = torch.arange(first, ctx, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]  # [qlen, keys]
+            if window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
+            out[s:e] = masked_attention(q[s:e][None], keys[None], values[None], mask[None],
+                                        scale, softcap)[0]
+        return out
+
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         keys = gather_blocks(k_cache, meta.decode_block_tables)  # [B, L, kvh, d]
         values = gather_blocks(v_cache, meta.decode_block_tables)
         length = keys.shape[1]
         positions = torch.arange(length, device=q.device)
         mask = positions[None, :] < meta.decode_context_lens[:, None]  # [B, L]
+        if window is not None or softcap is not None:
+            if window is not None:  # the query sits at context_len - 1
+                mask &= positions[None, :] >= meta.decode_context_lens[:, None] - window
+            return masked_attention(q[:, None], keys, values, mask[:, None], scale, softcap)[:, 0]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, h, 1, d]
             keys.transpose(1, 2),
@@ -123,3 +164,24 @@ def eager_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, -1, length)
     o = torch.bmm(probs, v.transpose(0, 1))  # [kvh, group * L, d]
     return o.view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads, dim)
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """q [B, Lq, heads, d], keys/values [B, Lk, kv_heads, d], mask [B, Lq, Lk] (True: seen)
+    -> [B, Lq, heads, d]. Without a soft cap, SDPA with the mask; with one, transformers'
+    eager order: scores * scale, tanh(s / cap) * cap, mask, softmax in fp32."""
+    if softcap is None:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask[:, None], scale=scale, enable_gqa=True,
+        )
+        return o.transpose(1, 2)
+    group = q.shape[2] // keys.shape[2]
+    kh = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, heads, Lk, d]
+    vh = values.transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.transpose(1, 2), kh.transpose(2, 3)) * scale  # [B, heads, Lq, Lk]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, vh).transpose(1, 2)
