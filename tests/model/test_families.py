@@ -45,10 +45,11 @@ def build(path: Path, family: str, **overrides) -> Path:
     return path
 
 
-def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+def hf_greedy(path: Path, prompts: list[list[int]], **load: str) -> list[list[int]]:
+    """transformers' greedy MAX_TOKENS after each prompt; `load`: from_pretrained options."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load).eval()
     model.generation_config.eos_token_id = None
     refs = []
     with torch.no_grad():
@@ -89,9 +90,10 @@ def family(request, tmp_path_factory):
     return request.param, path, ps, hf_greedy(path, ps)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_greedy_equals_transformers(family, config) -> None:
-    name, path, ps, refs = family
+def check_greedy(name: str, path: Path, ps: list[list[int]], refs: list[list[int]],
+                 config: str) -> LLM:
+    """octavo under CONFIGS[config] gives `refs` (batched, and one by one at block size 1),
+    preempts where it should, and returns every block; the engine, for further checks."""
     llm = LLM(model=str(path), **CONFIGS[config])
     assert llm.engine.model_config.model_type == name
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
@@ -105,6 +107,12 @@ def test_greedy_equals_transformers(family, config) -> None:
         for i, p in enumerate(ps[:3]):
             got = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
             assert got.outputs[0].token_ids == refs[i]
+    return llm
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_equals_transformers(family, config) -> None:
+    check_greedy(*family, config)
 
 
 def test_a_sliding_window_caps_max_model_len(tmp_path) -> None:

@@ -13,12 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from octavo import LLM
 from octavo.config import ModelConfig
 from octavo.model import moe
 from octavo.model.moe import SparseMoeBlock
 from tests.conftest import build_byte_tokenizer
-from tests.model.test_families import COMMON, CONFIGS, GREEDY, hf_greedy, prompts
+from tests.model.test_families import COMMON, CONFIGS, check_greedy, hf_greedy, prompts
 
 FAMILIES = {
     # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse; top-2 of 8, renormalised
@@ -68,20 +67,7 @@ def family(request, tmp_path_factory):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_equals_transformers(family, config) -> None:
-    name, path, ps, refs = family
-    llm = LLM(model=str(path), **CONFIGS[config])
-    assert llm.engine.model_config.model_type == name
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
-    for i, out in enumerate(outs):
-        assert out.outputs[0].token_ids == refs[i], f"{name} {config}: prompt {i} differs"
-    stats = llm.stats()
-    if config == "preempt-chunked":
-        assert stats["num_preemptions"] > 0
-    assert stats["kv_blocks_used"] == 0
-    if config == "bs1-nocache":  # one by one too
-        for i, p in enumerate(ps[:3]):
-            got = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
-            assert got.outputs[0].token_ids == refs[i]
+    check_greedy(*family, config)
 
 
 # ---- the block alone --------------------------------------------------------------------------
