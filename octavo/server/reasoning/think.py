@@ -16,14 +16,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 from octavo.server.reasoning.base import (
-    LeadingTrimmer,
     Pair,
     ReasoningParser,
     ReasoningStream,
-    StripTrimmer,
     strip_content,
     strip_reasoning,
 )
+from octavo.server.stream_trim import LeadingTrimmer, StripTrimmer
 
 START = "<think>"
 END = "</think>"

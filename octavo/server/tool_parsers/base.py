@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from uuid import uuid4
 
+from octavo.server.stream_trim import StripTrimmer
 from octavo.server.tool_parsers.scanning import ParsedCall, Scanner
 
 
@@ -61,32 +62,6 @@ class DeltaResult:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
-class ContentTrimmer:
-    """Streams text so that the concatenation of its output is `"".join(inputs).strip()`.
-
-    Leading whitespace is dropped; trailing whitespace is held until more text follows it, and
-    dropped if nothing does.
-    """
-
-    def __init__(self) -> None:
-        self._started = False
-        self._pending = ""
-
-    def push(self, text: str) -> str:
-        if not self._started:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self._started = True
-        body = text.rstrip()
-        if not body:
-            self._pending += text
-            return ""
-        out = self._pending + body
-        self._pending = text[len(body):]
-        return out
-
-
 class ToolCallStream:
     """Per-choice streaming state: feed output deltas, then `finish()` once generation ends.
 
@@ -101,7 +76,7 @@ class ToolCallStream:
         self._text = ""
         self._pos = 0
         self._index = 0
-        self._content = ContentTrimmer()
+        self._content = StripTrimmer()
         self._finished = False
 
     def feed(self, delta_text: str) -> DeltaResult:
