@@ -11,13 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from octavo.paging.kv_groups import KVGroups
+
 # HF model_type -> the architecture octavo runs it with (octavo/model/registry.py maps these
 # to classes); a neutral module cannot import the model package, so the names live here
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "mixtral",
                          "gemma2", "gemma3_text")
-# model types whose attention honours sliding_window; the others run only up to the window
-# (where full attention is the same thing)
-SLIDING_WINDOW_TYPES: tuple[str, ...] = ("gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +44,8 @@ class ModelConfig:
     model_type: str = "llama"
     # tokens each query sees, itself included (HF's sliding_window); None: all before it
     sliding_window: int | None = None
+    # per layer: the window of a sliding-window layer, None for full attention (HF's layer_types)
+    layer_windows: tuple[int | None, ...] = ()
     hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -70,6 +71,7 @@ class ModelConfig:
             rope = dict(rope["full_attention"])
         rope_theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        window = _sliding_window(d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -92,23 +94,66 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             model_type=model_type,
-            sliding_window=_sliding_window(d),
+            sliding_window=window,
+            layer_windows=_layer_windows(d, model_type, window),
             hf=dict(d),
         )
 
     @property
     def max_len(self) -> tuple[int, str]:
         """The longest sequence this model runs exactly, and what sets it."""
-        if self.sliding_window and self.model_type not in SLIDING_WINDOW_TYPES and (
-                self.sliding_window < self.max_position_embeddings):
-            return self.sliding_window, (
-                f"its sliding window ({self.sliding_window} tokens; octavo runs {self.model_type}"
-                " with full attention, which is the same within the window)")
         return self.max_position_embeddings, (
             f"its max_position_embeddings ({self.max_position_embeddings})")
 
+    @property
+    def kv_groups(self) -> KVGroups:
+        """Which layers share a block table (one group unless local and global layers mix)."""
+        if not self.layer_windows:
+            return KVGroups.single(self.num_layers, self.sliding_window)
+        return KVGroups.from_layer_windows(self.layer_windows)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token in every layer (what full attention keeps per token)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def kv_bytes_per_slot(self, dtype_bytes: int) -> int:
+        """One slot of one KV block: K and V of one token in one group's layers."""
+        slots = self.kv_groups.slots_per_group
+        return 2 * slots * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _layer_windows(d: dict[str, Any], model_type: str, window: int | None
+                   ) -> tuple[int | None, ...]:
+    """Which layers attend within the sliding window, by transformers' rules for each family:
+    its `layer_types` when the config names them, else the family's default pattern."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types:
+        if len(types) != n:
+            raise ValueError(f"{model_type}: layer_types names {len(types)} layers, the model "
+                             f"has {n}")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"{model_type}: unsupported layer types {sorted(unknown)}")
+        local = [t == "sliding_attention" for t in types]
+    elif model_type == "gemma2":
+        local = [i % 2 == 0 for i in range(n)]
+    elif model_type == "gemma3_text":
+        pattern = int(d.get("sliding_window_pattern", 6))
+        local = [(i + 1) % pattern != 0 for i in range(n)]
+    elif model_type in ("qwen2", "qwen3"):  # the layers from max_window_layers on
+        first = int(d.get("max_window_layers", 28))
+        local = [i >= first for i in range(n)]
+    elif model_type == "qwen2_moe":  # every other layer below max_window_layers
+        last = int(d.get("max_window_layers", 28))
+        local = [(i + 1) % 2 == 1 and i < last for i in range(n)]
+    elif model_type == "llama":  # transformers' Llama has no sliding window
+        local = [False] * n
+    else:  # mistral, mixtral, phi3: every layer when the config sets a window
+        local = [True] * n
+    if window is None:
+        return (None,) * n
+    return tuple(window if flag else None for flag in local)
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:

@@ -25,7 +25,9 @@ class NewSeq:
     num_prompt_tokens: int
     index: int  # position among its request's n outputs (it picks the seeded draws)
     params: SamplingParams
-    block_ids: list[int]  # its whole block table
+    block_ids: list[int]  # its whole block table (of KV cache group 0)
+    # the block tables of groups 1, 2, ... where local and global layers keep separate ones
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -72,6 +74,8 @@ class StepPlan:
     # (seq_id, start, block ids): the sequence's block table reads these ids from entry `start`
     # on (appended blocks, or a copy-on-write copy replacing a shared block).
     block_table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # (seq_id, group, start, block ids): the same for KV cache groups 1, 2, ... (hybrid models)
+    group_table_updates: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
     # Sequences to forget before anything else (finished, aborted, preempted); one may come
     # back in new_seqs of the same plan.
     finished_seq_ids: list[int] = field(default_factory=list)

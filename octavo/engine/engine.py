@@ -53,7 +53,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(args, self.model_config, blocks.num_blocks)
         self.runner.init_kv_cache(blocks.num_blocks, blocks.num_host_blocks)
         self.kv = make_kv_manager(args, blocks.num_blocks, blocks.num_host_blocks,
-                                  self.max_model_len)
+                                  self.max_model_len, self.model_config)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         caching = args.enable_prefix_caching and args.kv_allocator == "paged"
         hasher = BlockHasher(args.block_size) if caching else None

@@ -286,12 +286,16 @@ class Scheduler:
         """Tell the runner about a sequence it does not hold yet (all of it), or about the block
         ids that changed for one it holds."""
         if not seq.in_runner:
+            first, *others = self.kv.block_tables(seq.seq_id)
             plan.new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
-                                        seq.index, seq.request.params,
-                                        self.kv.block_table(seq.seq_id)))
+                                        seq.index, seq.request.params, first, others))
             seq.in_runner = True
-        elif new is not None and new.block_ids:
-            plan.block_table_updates.append((seq.seq_id, new.start, new.block_ids))
+        elif new is not None:
+            if new.block_ids:
+                plan.block_table_updates.append((seq.seq_id, new.start, new.block_ids))
+            for group, (start, block_ids) in enumerate(new.other_groups, 1):
+                if block_ids:
+                    plan.group_table_updates.append((seq.seq_id, group, start, block_ids))
 
     def _preempt(self, victim: Request, recompute: bool = False) -> None:
         self.running.remove(victim)
@@ -371,6 +375,11 @@ class Scheduler:
             if all(b.seq_id in request.beam.pending for b in request.live_seqs):
                 self._beam_step(request)
                 update(request).beam_step = True
+        for chunk in plan.chunks:  # sliding windows: what no later query sees goes back now
+            self.kv.free_out_of_window(chunk.seq_id)
+            for seq_id in chunk.sample_seq_ids:
+                if seq_id != chunk.seq_id:
+                    self.kv.free_out_of_window(seq_id)
         return list(updates.values())
 
     def _append(self, seq: Sequence, tokens: list[int],

@@ -90,24 +90,6 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h)
 
 
-def layer_is_local(config: ModelConfig) -> list[bool]:
-    """Which layers attend locally (within the sliding window)."""
-    n = config.num_layers
-    types = config.hf.get("layer_types")
-    if types:
-        if len(types) != n:
-            raise ValueError(f"{config.model_type}: layer_types names {len(types)} layers, "
-                             f"the model has {n}")
-        unknown = set(types) - {"sliding_attention", "full_attention"}
-        if unknown:
-            raise ValueError(f"{config.model_type}: unsupported layer types {sorted(unknown)}")
-        return [t == "sliding_attention" for t in types]
-    if config.model_type == "gemma2":
-        return [i % 2 == 0 for i in range(n)]
-    pattern = int(config.hf.get("sliding_window_pattern", 6))
-    return [(i + 1) % pattern != 0 for i in range(n)]
-
-
 class Gemma2ForCausalLM(LlamaForCausalLM):
     qk_norm = False
     local_rope = False  # Gemma 3's local layers rotate with their own base
@@ -122,14 +104,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         softcap = hf.get("attn_logit_softcapping")
         final = hf.get("final_logit_softcapping")
         self.final_softcap = float(final) if final else None
-        local = layer_is_local(config)
-        window = config.sliding_window
-        self.local = [flag and window is not None for flag in local]
+        self.local = [window is not None for window in config.layer_windows]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, self.qk_norm, window if is_local else None,
-                              float(softcap) if softcap else None)
-            for is_local in self.local)
+            GemmaDecoderLayer(config, self.qk_norm, window, float(softcap) if softcap else None)
+            for window in config.layer_windows)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, max_positions)  # global layers (the runner's)
@@ -159,7 +138,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
+        metas: list[AttentionMetadata],
         backend: AttentionBackend,
         logit_indices: torch.Tensor,
     ) -> torch.Tensor:
@@ -169,10 +148,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         local_cos, local_sin = cos, sin
         if self.local_rope and any(self.local):
             local_cos, local_sin = self._local_rotary(positions.device)(positions, x.dtype)
+        group = kv_cache.groups.layer_group
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
             c, s = (local_cos, local_sin) if self.local[i] else (cos, sin)
-            x = layer(x, c, s, k_cache, v_cache, meta, backend)
+            x = layer(x, c, s, k_cache, v_cache, metas[group[i]], backend)
         logits = self.lm_head(self.norm(x[logit_indices]))
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

@@ -18,39 +18,58 @@ from octavo.step_plan import SeqChunk, StepPlan
 
 
 class SeqState:
-    __slots__ = ("token_ids", "num_prompt_tokens", "index", "params", "block_table")
+    __slots__ = ("token_ids", "num_prompt_tokens", "index", "params", "block_tables")
 
     def __init__(self, token_ids: list[int], num_prompt_tokens: int, index: int,
-                 params: SamplingParams, block_table: list[int]) -> None:
+                 params: SamplingParams, block_tables: list[list[int]]) -> None:
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.index = index
         self.params = params
-        self.block_table = block_table
+        self.block_tables = block_tables  # one per KV cache group
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0]
 
 
 @dataclass(slots=True)
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    metas: list[AttentionMetadata]  # one per KV cache group
     order: list[int]  # chunk indices in batch order (decodes first)
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        return self.metas[0]
 
 
 class InputBatch:
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    """`windows`: per KV cache group, its sliding window (None: full attention). A sliding
+    group's decode reads only the blocks its window covers."""
+
+    def __init__(self, block_size: int, device: torch.device,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         self.block_size = block_size
         self.device = device
+        self.windows = windows
         self.seqs: dict[int, SeqState] = {}
 
     def apply(self, plan: StepPlan) -> None:
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+        groups = len(self.windows)
         for new in plan.new_seqs:
+            tables = [list(new.block_ids), *(list(t) for t in new.group_block_ids)]
+            if len(tables) != groups:
+                raise ValueError(f"sequence {new.seq_id}: {len(tables)} block tables for "
+                                 f"{groups} KV cache groups")
             self.seqs[new.seq_id] = SeqState(list(new.token_ids), new.num_prompt_tokens,
-                                             new.index, new.params, list(new.block_ids))
-        for seq_id, start, block_ids in plan.block_table_updates:
-            table = self.seqs[seq_id].block_table
+                                             new.index, new.params, tables)
+        updates = [(seq_id, 0, start, ids) for seq_id, start, ids in plan.block_table_updates]
+        for seq_id, group, start, block_ids in updates + plan.group_table_updates:
+            table = self.seqs[seq_id].block_tables[group]
             if start > len(table):
                 raise ValueError(f"sequence {seq_id}: block table update at {start} leaves a "
                                  f"gap after {len(table)} entries")
@@ -68,29 +87,49 @@ class InputBatch:
                                  f"tokens at {start}")
 
     def prepare(self, chunks: list[SeqChunk]) -> ModelInputs:
-        bs, device = self.block_size, self.device
+        device = self.device
         decode_idx = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
         prefill_idx = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
-        tokens: list[int] = []
-        positions: list[int] = []
+        tokens: list[int] = [chunks[i].token_ids[0] for i in decode_idx]
+        positions: list[int] = [chunks[i].start_pos for i in decode_idx]
+        for i in prefill_idx:
+            c = chunks[i]
+            tokens.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.context_len))
+        metas = [self._group_meta(g, chunks, decode_idx, prefill_idx)
+                 for g in range(len(self.windows))]
+        return ModelInputs(
+            input_ids=torch.tensor(tokens, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            metas=metas,
+            order=decode_idx + prefill_idx,
+        )
+
+    def _group_meta(self, group: int, chunks: list[SeqChunk], decode_idx: list[int],
+                    prefill_idx: list[int]) -> AttentionMetadata:
+        bs, device, window = self.block_size, self.device, self.windows[group]
         slots: list[int] = []
-        decode_tables = decode_lens = None
+        decode_tables = decode_lens = decode_first = None
         if decode_idx:
             tables = []
             lens = []
+            firsts = []
             for i in decode_idx:
                 c = chunks[i]
-                table = self.seqs[c.seq_id].block_table
+                table = self.seqs[c.seq_id].block_tables[group]
                 pos = c.start_pos
-                tokens.append(c.token_ids[0])
-                positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
-                tables.append(table)
+                # a sliding group reads only its window's blocks (those before it are freed)
+                first = 0 if window is None else max(0, pos - window + 1) // bs
+                tables.append(table[first : pos // bs + 1])
+                firsts.append(first * bs)
                 lens.append(pos + 1)
-            width = -(-max(lens) // bs)
-            rows = [(t[:width] + [0] * width)[:width] for t in tables]
+            width = max(len(t) for t in tables)
+            rows = [t + [0] * (width - len(t)) for t in tables]
             decode_tables = torch.tensor(rows, dtype=torch.long, device=device)
             decode_lens = torch.tensor(lens, dtype=torch.long, device=device)
+            if window is not None:
+                decode_first = torch.tensor(firsts, dtype=torch.long, device=device)
         prefills: list[PrefillChunk] = []
         prefill_slots: list[torch.Tensor] = []
         row = len(decode_idx)
@@ -98,24 +137,18 @@ class InputBatch:
             c = chunks[i]
             n = len(c.token_ids)
             nblocks = -(-c.context_len // bs)
-            table = torch.tensor(self.seqs[c.seq_id].block_table[:nblocks], dtype=torch.long)
+            table = torch.tensor(self.seqs[c.seq_id].block_tables[group][:nblocks],
+                                 dtype=torch.long)
             pos = torch.arange(c.start_pos, c.context_len)
             prefill_slots.append(table[pos // bs] * bs + pos % bs)
-            tokens.extend(c.token_ids)
-            positions.extend(range(c.start_pos, c.context_len))
             prefills.append(PrefillChunk(row, row + n, c.start_pos, table.to(device)))
             row += n
         slot_mapping = torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots])
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=slot_mapping.to(device),
             num_decodes=len(decode_idx),
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
             prefills=prefills,
-        )
-        return ModelInputs(
-            input_ids=torch.tensor(tokens, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            meta=meta,
-            order=decode_idx + prefill_idx,
+            decode_first_pos=decode_first,
         )

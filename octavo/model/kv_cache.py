@@ -1,10 +1,17 @@
 """The preallocated paged KV cache tensors.
 
-Layout: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0
-of dim 1 is K, 1 is V). A physical block is ``cache[:, :, block_id]``: ``block_size`` consecutive
-token slots for every layer and KV head, so copy-on-write and swap move one block for all layers
-in a single indexing op, and slot ``s = block_id * block_size + offset`` is row ``s`` of
-``cache[layer, kv].view(-1, num_kv_heads, head_dim)``.
+Layout: one tensor ``[layer_slots, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0
+of dim 1 is K, 1 is V). `layer_slots` is the layer count of one KV cache group (see
+paging/kv_groups.py): every layer for a model with one kind of attention, fewer where local and
+global layers keep separate block tables, each layer reading slot `layer_slot[l]` of its group's
+blocks. A physical block is ``cache[:, :, block_id]``: ``block_size`` consecutive token slots for
+every slot and KV head, so copy-on-write and swap move one block in a single indexing op, and
+slot ``s = block_id * block_size + offset`` is row ``s`` of
+``cache[slot, kv].view(-1, num_kv_heads, head_dim)``.
+
+With sliding-window layers the tensor has one more block, `num_blocks` itself: the null block,
+owned by no sequence and never written, which stands in the block tables for blocks freed once
+they left the window.
 
 The cache is zero-initialised: attention reads whole blocks and masks the unfilled tail, and
 0 * garbage could be NaN.
@@ -29,14 +36,19 @@ class KVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.groups = groups = config.kv_groups
+        rows = num_blocks + 1 if groups.has_window else num_blocks
+        shape = (groups.slots_per_group, 2, rows, block_size, config.num_kv_heads,
+                 config.head_dim)
         self.device_cache = torch.zeros(shape, dtype=dtype, device=device)
         host_shape = (*shape[:2], num_host_blocks, *shape[3:])
+        self.null_block_id = num_blocks
         pin = device.type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.device_cache[i, 0], self.device_cache[i, 1]
+        slot = self.groups.layer_slot[i]
+        return self.device_cache[slot, 0], self.device_cache[slot, 1]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -65,4 +77,4 @@ class KVCache:
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return config.kv_bytes_per_token(elem) * block_size
+        return config.kv_bytes_per_slot(elem) * block_size

@@ -33,6 +33,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, qk_norm=self.qk_norm)
                                     for _ in range(config.num_layers))
+        for layer, window in zip(self.layers, config.layer_windows, strict=False):
+            layer.self_attn.window = window  # Mistral, Qwen2 and the like: sliding layers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, max_positions)
@@ -43,16 +45,18 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_cache: KVCache,
-        meta: AttentionMetadata,
+        metas: list[AttentionMetadata],  # one per KV cache group
         backend: AttentionBackend,
         logit_indices: torch.Tensor,  # [S] rows whose logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype, fp32_rows=self.norm.ops is not None)
         residual = None
+        group = kv_cache.groups.layer_group
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta, backend)
+            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, metas[group[i]],
+                                backend)
         h = residual[logit_indices] + x[logit_indices] if residual is not None else x[logit_indices]
         return self.lm_head(self.norm(h)).float()
 

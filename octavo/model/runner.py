@@ -82,7 +82,7 @@ class ModelRunner:
         self.model = load_model(model_dir, config, self.dtype, self.device, max_positions,
                                 args.linear_backend, args.fused_ops)
         self.backend = get_backend(args.attention_backend, self.device)
-        self.batch = InputBatch(args.block_size, self.device)
+        self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
         self.kv_cache: KVCache | None = None
@@ -147,7 +147,7 @@ class ModelRunner:
                     sample_rows.append(len(wanted))
                     wanted.append(start + n - 1)
         logit_idx = torch.tensor(wanted, dtype=torch.long, device=self.device)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metas,
                             self.backend, logit_idx)
         sampled = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         return StepLogits(sample=sampled,

@@ -17,11 +17,13 @@ from octavo.paging.kv_seq import KVSeq
 class CachedPrefix:
     """A new sequence's leading full blocks found in the prefix cache (no references taken)."""
 
-    blocks: tuple[Any, ...]  # KVBlock
+    # per KV cache group, one entry per leading block: a KVBlock, or None for a block a
+    # sliding-window group no longer needs (it lies wholly before the window)
+    blocks: tuple[tuple[Any, ...], ...]
     num_tokens: int
 
 
-EMPTY_PREFIX = CachedPrefix((), 0)
+EMPTY_PREFIX = CachedPrefix(((),), 0)  # no hit, in a KV cache of one group
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,9 @@ class NewBlocks:
 
     start: int
     block_ids: list[int]
+    # groups 1, 2, ... of a hybrid KV cache (local and global layers), each (start, block ids)
+    # like group 0's above; empty for a model with one kind of attention
+    other_groups: tuple[tuple[int, list[int]], ...] = ()
 
 
 @runtime_checkable
@@ -56,6 +61,8 @@ class KVAllocator(Protocol):
 
     def uncache_from(self, seq_id: int, num_tokens: int) -> None: ...
 
+    def free_out_of_window(self, seq_id: int) -> int: ...
+
     def take_block_copies(self) -> list[tuple[int, int]]: ...
 
     def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None: ...
@@ -63,6 +70,8 @@ class KVAllocator(Protocol):
     def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None: ...
 
     def block_table(self, seq_id: int) -> list[int]: ...
+
+    def block_tables(self, seq_id: int) -> list[list[int]]: ...
 
     def num_free_blocks(self) -> int: ...
 

@@ -196,16 +196,17 @@ class BlockPool:
         self,
         block_hash: bytes,
         token_ids: tuple[int, ...],
-        parent_key: int = 0,
+        parent_key: int | None = 0,
         extra_key: Hashable | None = None,
     ) -> KVBlock | None:
         """The cached block for this content, or None. A digest match alone is not trusted: the
-        stored token ids, extra key and parent identity must match too."""
+        stored token ids, extra key and parent identity must match too (parent_key None: the
+        caller cannot know the parent, which only a sliding window's first block may ask)."""
         blk = self._index.get(block_hash)
         if (
             blk is None
             or blk.token_ids != token_ids
-            or blk.parent_key != parent_key
+            or parent_key is not None and blk.parent_key != parent_key
             or blk.extra_key != extra_key
         ):
             return None

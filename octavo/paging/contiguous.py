@@ -161,6 +161,10 @@ class ContiguousAllocator:
     def uncache_from(self, seq_id: int, num_tokens: int) -> None:
         """Nothing is cached in the contiguous baseline."""
 
+    def free_out_of_window(self, seq_id: int) -> int:
+        """A contiguous reservation is kept whole, sliding window or not."""
+        return 0
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         return []
 
@@ -175,6 +179,9 @@ class ContiguousAllocator:
     def block_table(self, seq_id: int) -> list[int]:
         run = self._get(seq_id)
         return list(range(run.start, run.start + run.num_blocks))
+
+    def block_tables(self, seq_id: int) -> list[list[int]]:
+        return [self.block_table(seq_id)]
 
     def num_free_blocks(self) -> int:
         return self._num_free

@@ -17,9 +17,9 @@ flattened batch does this per layer).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from octavo.paging.allocator import EMPTY_PREFIX, CachedPrefix, NewBlocks
+from octavo.paging.allocator import CachedPrefix, NewBlocks
 from octavo.paging.block_pool import BlockPool, KVBlock, OutOfKVBlocks
 from octavo.paging.kv_seq import KVSeq
 from octavo.paging.waste import check_slot_sum, paged_slot_stats
@@ -30,11 +30,17 @@ __all__ = ["KVCacheManager", "OutOfKVBlocks"]
 @dataclass(slots=True)
 class _Seq:
     seq: KVSeq  # the caller's sequence: its tokens, block hashes and computed-token counter
-    blocks: list[KVBlock]  # GPU blocks, or CPU blocks while swapped out
-    # Per registered full block: the cache key of an indexed block with the same whole prefix
-    # (None when none could be indexed). Its length is the number of blocks registered so far.
-    chain_keys: list[int | None]
+    # Per KV cache group: the block table, GPU blocks or CPU blocks while swapped out. A
+    # sliding-window group holds None where a block lay wholly before the window and went
+    # back to the pool.
+    blocks: list[list[KVBlock | None]]
+    # Per group, per registered full block: the cache key of an indexed block with the same
+    # whole prefix (None when none could be indexed). Its length is the number of blocks
+    # registered so far.
+    chain_keys: list[list[int | None]]
     swapped: bool = False
+    # per group: entries below this are None (freed out of the window), so trimming is O(1)
+    trimmed: list[int] = field(default_factory=list)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -47,6 +53,12 @@ class KVCacheManager:
     With prefix caching on, every block that fills is registered under its sequence's block
     hash (see block_hash.py); hits are verified against the stored token ids, extra key and
     parent identity as well, so a digest collision can never return the wrong KV.
+
+    `windows` names the KV cache groups (see kv_groups.py): one entry per group, its sliding
+    window or None for full attention. A sliding group frees every block that lies wholly
+    before the window of its next query, so a sequence holds at most about window/block_size
+    + 1 blocks there however long it gets; the freed entries read None (the runner's null
+    block). All groups draw on one pool, and every group's table covers the same tokens.
     """
 
     def __init__(
@@ -56,38 +68,146 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must name >= 1 group, each window >= 1: {windows}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        # the first full-attention group: its chain keys vouch for the whole prefix, so the
+        # sliding groups of a hybrid model chain onto it (None: every group slides)
+        self._anchor = next((g for g, w in enumerate(self.windows) if w is None), None)
+        # register the anchor first: the sliding groups' parent keys are its keys
+        self._group_order = sorted(range(self.num_groups), key=lambda g: g != self._anchor)
+        self._has_window = any(w is not None for w in self.windows)
+        # the block id that stands for a freed out-of-window block (see KVCache)
+        self.null_block_id = num_blocks
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
         self._seqs: dict[int, _Seq] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.blocks_freed_out_of_window = 0
+        self._no_hit = CachedPrefix(((),) * self.num_groups, 0)
+
+    # -- windows --------------------------------------------------------------------------------
+    def _first_live(self, group: int, pos: int) -> int:
+        """The first block a query at `pos` or later can still see in `group`."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, pos - window + 1) // self.block_size
+
+    def _trim(self, state: _Seq) -> int:
+        """Free the sliding groups' blocks that no query to come can see."""
+        freed = 0
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            first, table = self._first_live(g, state.seq.num_computed_tokens), state.blocks[g]
+            gone = [blk for blk in table[state.trimmed[g] : first] if blk is not None]
+            for i in range(state.trimmed[g], first):
+                table[i] = None
+            state.trimmed[g] = max(state.trimmed[g], first)
+            if gone:
+                self.block_pool.free(reversed(gone))
+                freed += len(gone)
+        self.blocks_freed_out_of_window += freed
+        return freed
+
+    def free_out_of_window(self, seq_id: int) -> int:
+        """Return the blocks of a running sequence that fell out of its sliding windows (the
+        scheduler calls this after each step; allocation does it too). The number freed."""
+        state = self._seqs.get(seq_id)
+        if state is None or state.swapped or not self._has_window:
+            return 0
+        return self._trim(state)
 
     # -- prefix cache ---------------------------------------------------------------------------
+    def _key(self, block_hash: bytes, group: int) -> bytes:
+        """Each group indexes its blocks under its own name for the same prefix."""
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
     def get_computed_blocks(self, seq: KVSeq) -> CachedPrefix:
-        """Cached blocks covering the longest full-block prefix of a new sequence, leaving at
-        least one token to compute. A pure query: no references taken, no stats counted."""
+        """Cached blocks covering the longest full-block prefix of a new sequence that every
+        group can resume from, leaving at least one token to compute. A full-attention group
+        needs every block of the prefix, a sliding group only those its window still sees.
+        A pure query: no references taken, no stats counted."""
         if not self.enable_prefix_caching:
-            return EMPTY_PREFIX
-        bs, pool, tokens = self.block_size, self.block_pool, seq.token_ids
-        hits: list[KVBlock] = []
+            return self._no_hit
+        n = min((len(seq.token_ids) - 1) // self.block_size, len(seq.block_hashes))
+        found: list[list[KVBlock | None]] = [[] for _ in self.windows]
+        while True:  # each group may shorten the hit; stop when none does
+            before = n
+            for g in self._group_order:
+                if self.windows[g] is None:
+                    found[g] = self._full_hits(seq, g, n)
+                else:
+                    anchor = None if self._anchor is None else found[self._anchor]
+                    found[g] = self._window_hits(seq, g, n, anchor)
+                n = min(n, len(found[g]))
+            if n == before:
+                break
+        if n == 0:
+            return self._no_hit
+        return CachedPrefix(tuple(tuple(hits[:n]) for hits in found), n * self.block_size)
+
+    def _block_tokens(self, seq: KVSeq, i: int) -> tuple[int, ...]:
+        bs = self.block_size
+        return tuple(seq.token_ids[i * bs : (i + 1) * bs])
+
+    def _full_hits(self, seq: KVSeq, g: int, n: int) -> list[KVBlock | None]:
+        """The leading blocks of `seq` cached in `g`, each chained onto the one before."""
+        hits: list[KVBlock | None] = []
         parent_key = 0
-        for i in range(min((len(tokens) - 1) // bs, len(seq.block_hashes))):
-            toks = tuple(tokens[i * bs : (i + 1) * bs])
-            blk = pool.get_cached_block(seq.block_hashes[i], toks, parent_key, seq.extra_key)
+        for i in range(n):
+            blk = self.block_pool.get_cached_block(
+                self._key(seq.block_hashes[i], g), self._block_tokens(seq, i), parent_key,
+                seq.extra_key)
             if blk is None:
                 break
             hits.append(blk)
             parent_key = blk.cache_key
-        return CachedPrefix(tuple(hits), len(hits) * bs)
+        return hits
+
+    def _window_hits(self, seq: KVSeq, g: int, n: int,
+                     anchor: list[KVBlock | None] | None) -> list[KVBlock | None]:
+        """The longest prefix of at most `n` blocks whose blocks in `g`'s window of the next
+        query are all cached (None before the window), scanning from the right once.
+
+        In a hybrid model each sliding block was registered as the child of the anchor group's
+        block at the same position, whose chain vouches for the whole prefix. Where every group
+        slides, consecutive hits must chain onto each other; the first block of the window is
+        named by its prefix's digest alone (the blocks before it are gone)."""
+        pool = self.block_pool
+        end = n
+        hits: dict[int, KVBlock] = {}  # verified so far, by block index
+        while end > 0:
+            first = self._first_live(g, end * self.block_size)
+            for i in range(end - 1, first - 1, -1):
+                parent = None if anchor is None else anchor[i].cache_key  # type: ignore[union-attr]
+                blk = hits.get(i) or pool.get_cached_block(
+                    self._key(seq.block_hashes[i], g), self._block_tokens(seq, i), parent,
+                    seq.extra_key)
+                if blk is None:
+                    end = i  # no hit may include block i
+                    break
+                nxt = hits.get(i + 1) if i + 1 < end else None
+                if anchor is None and nxt is not None and nxt.parent_key != blk.cache_key:
+                    end = i + 1  # blocks i and i + 1 do not chain: a hit may end at i + 1
+                    break
+                hits[i] = blk
+            else:
+                return [hits[j] if j >= first else None for j in range(end)]
+        return []
 
     def _check_hashes(self, seq: KVSeq, end: int) -> None:
         """Before anything changes: the prefix cache needs the hash of every block that will be
@@ -106,11 +226,15 @@ class KVCacheManager:
 
     def _register_full_blocks(self, state: _Seq) -> None:
         seq, bs = state.seq, self.block_size
-        for i in range(len(state.chain_keys), seq.num_computed_tokens // bs):
-            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent_key = state.chain_keys[-1] if i else 0
-            state.chain_keys.append(self._record_full_block(
-                state.blocks[i], seq.block_hashes[i], toks, parent_key, seq))
+        for g in self._group_order:
+            keys, table = state.chain_keys[g], state.blocks[g]
+            for i in range(len(keys), seq.num_computed_tokens // bs):
+                parent_key = self._parent_key(state, g, i)
+                blk = table[i]
+                assert blk is not None, f"seq {seq.seq_id}: registering a freed block"
+                keys.append(self._record_full_block(
+                    blk, self._key(seq.block_hashes[i], g), self._block_tokens(seq, i),
+                    parent_key, seq))
 
     def _record_full_block(
         self, blk: KVBlock, block_hash: bytes, toks: tuple[int, ...], parent_key: int | None,
@@ -132,14 +256,15 @@ class KVCacheManager:
         final_tokens: int | None = None,
     ) -> NewBlocks | None:
         """Give the next `num_new_tokens` known tokens of `seq` their slots, or return None (and
-        change nothing) when the free blocks do not suffice.
+        change nothing the caller can see) when the free blocks do not suffice.
 
-        A sequence's first call starts its block table: `cached` (from get_computed_blocks,
+        A sequence's first call starts its block tables: `cached` (from get_computed_blocks,
         None to compute everything, as prompt logprobs need) is reused and `num_new_tokens`
-        counts from its end. Later calls grow the table, copying a shared partial last block
-        first (copy-on-write). Returns the block table from the first entry that changed.
-        `reserve_tokens` and `final_tokens` are hints for the contiguous baseline; paging
-        reserves nothing ahead.
+        counts from its end. Later calls first free the blocks that left a sliding window, then
+        grow the tables, copying a shared partial last block first (copy-on-write). Returns
+        each block table from its first entry that changed (entries freed out of a window are
+        not reported: nothing reads them again). `reserve_tokens` and `final_tokens` are
+        hints for the contiguous baseline; paging reserves nothing ahead.
         """
         state = self._seqs.get(seq.seq_id)
         if state is None:
@@ -152,6 +277,12 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq.seq_id} is swapped out; swap it in first")
         return self._grow(state, num_new_tokens)
 
+    def _new_blocks(self, state: _Seq, starts: list[int]) -> NewBlocks:
+        null = self.null_block_id
+        tables = [(start, [null if blk is None else blk.block_id for blk in table[start:]])
+                  for start, table in zip(starts, state.blocks, strict=True)]
+        return NewBlocks(*tables[0], other_groups=tuple(tables[1:]))
+
     def _start(
         self, seq: KVSeq, num_new_tokens: int, cached: CachedPrefix | None
     ) -> NewBlocks | None:
@@ -160,19 +291,29 @@ class KVCacheManager:
                 f"sequence {seq.seq_id} counts {seq.num_computed_tokens} computed tokens but "
                 "has no KV blocks"
             )
-        pool, bs = self.block_pool, self.block_size
-        hits = list(cached.blocks) if cached is not None else []
-        num_cached = len(hits) * bs
+        pool, bs, groups = self.block_pool, self.block_size, range(self.num_groups)
+        if cached is not None and cached.num_tokens:
+            if len(cached.blocks) != self.num_groups:
+                raise ValueError(f"a cached prefix of {len(cached.blocks)} groups for a KV cache "
+                                 f"of {self.num_groups}")
+            hits = [list(blocks) for blocks in cached.blocks]
+        else:
+            hits = [[] for _ in groups]
+        num_cached = len(hits[0]) * bs
         end = self._checked_end(seq, num_cached, num_new_tokens)
         self._check_hashes(seq, end)
+        live = [blk for group in hits for blk in group if blk is not None]
         # A hit on a cached-free block takes it off the free list; a hit on a used one is free.
-        needed = sum(blk.ref_cnt == 0 for blk in hits) + _cdiv(end, bs) - len(hits)
-        if needed > pool.num_free_blocks:
+        fresh = _cdiv(end, bs) - len(hits[0])
+        if sum(blk.ref_cnt == 0 for blk in live) + fresh * self.num_groups > pool.num_free_blocks:
             return None
-        for blk in hits:  # before any get_new_block(), so no hit can be evicted under us
+        for blk in live:  # before any get_new_block(), so no hit can be evicted under us
             pool.touch(blk)
-        blocks = hits + [pool.get_new_block() for _ in range(_cdiv(end, bs) - len(hits))]
-        state = _Seq(seq, blocks, [blk.cache_key for blk in hits])
+        blocks = [hits[g] + [pool.get_new_block() for _ in range(fresh)] for g in groups]
+        chain_keys = [[None if blk is None else blk.cache_key for blk in hits[g]] for g in groups]
+        trimmed = [next((i for i, b in enumerate(hits[g]) if b is not None), len(hits[g]))
+                   for g in groups]
+        state = _Seq(seq, blocks, chain_keys, trimmed=trimmed)
         self._seqs[seq.seq_id] = state
         seq.num_computed_tokens = num_cached
         self._fill(state, end)
@@ -181,33 +322,39 @@ class KVCacheManager:
             if cached is not None:
                 self.prefix_cache_query_tokens += len(seq.token_ids)
                 self.prefix_cache_hit_tokens += num_cached
-        return NewBlocks(0, [blk.block_id for blk in blocks])
+        return self._new_blocks(state, [0] * self.num_groups)
 
     def _grow(self, state: _Seq, num_new_tokens: int) -> NewBlocks | None:
         seq, pool, bs = state.seq, self.block_pool, self.block_size
         end = self._checked_end(seq, seq.num_computed_tokens, num_new_tokens)
         self._check_hashes(seq, end)
-        start = len(state.blocks)
         if num_new_tokens == 0:
-            return NewBlocks(start, [])
-        copy = self._needs_copy_on_write(state)
-        grow = _cdiv(end, bs) - len(state.blocks)
-        if grow + copy > pool.num_free_blocks:
+            return self._new_blocks(state, [len(t) for t in state.blocks])
+        if self._has_window:
+            self._trim(state)  # dead blocks: freeing them is right whatever happens next
+        copies = [self._needs_copy_on_write(state, g) for g in range(self.num_groups)]
+        grow = _cdiv(end, bs) - len(state.blocks[0])
+        if grow * self.num_groups + sum(copies) > pool.num_free_blocks:
             return None
-        if copy:
-            start = seq.num_computed_tokens // bs
-            src = state.blocks[start]
-            dst = pool.get_new_block()
-            pool.set_filled(dst, src.num_filled)
-            pool.free([src])  # still referenced by the sequences it is shared with
-            state.blocks[start] = dst
-            self._pending_copies.append((src.block_id, dst.block_id))
-        for _ in range(grow):
-            state.blocks.append(pool.get_new_block())
+        starts = []
+        for g, table in enumerate(state.blocks):
+            start = len(table)
+            if copies[g]:
+                start = seq.num_computed_tokens // bs
+                src = table[start]
+                assert src is not None
+                dst = pool.get_new_block()
+                pool.set_filled(dst, src.num_filled)
+                pool.free([src])  # still referenced by the sequences it is shared with
+                table[start] = dst
+                self._pending_copies.append((src.block_id, dst.block_id))
+            for _ in range(grow):
+                table.append(pool.get_new_block())
+            starts.append(start)
         self._fill(state, end)
         if self.enable_prefix_caching:
             self._register_full_blocks(state)
-        return NewBlocks(start, [blk.block_id for blk in state.blocks[start:]])
+        return self._new_blocks(state, starts)
 
     def _checked_end(self, seq: KVSeq, start: int, num_new_tokens: int) -> int:
         end = start + num_new_tokens
@@ -220,14 +367,20 @@ class KVCacheManager:
 
     def _fill(self, state: _Seq, end: int) -> None:
         bs = self.block_size
-        for i in range(state.seq.num_computed_tokens // bs, _cdiv(end, bs)):
-            self.block_pool.set_filled(state.blocks[i], min(bs, end - i * bs))
+        for table in state.blocks:
+            for i in range(state.seq.num_computed_tokens // bs, _cdiv(end, bs)):
+                blk = table[i]
+                assert blk is not None
+                self.block_pool.set_filled(blk, min(bs, end - i * bs))
         state.seq.num_computed_tokens = end
 
-    def _needs_copy_on_write(self, state: _Seq) -> bool:
+    def _needs_copy_on_write(self, state: _Seq, group: int) -> bool:
         # The next slot is inside the last block; writing it must not change other sequences' KV.
         n = state.seq.num_computed_tokens
-        return n % self.block_size != 0 and state.blocks[n // self.block_size].ref_cnt > 1
+        if n % self.block_size == 0:
+            return False
+        blk = state.blocks[group][n // self.block_size]
+        return blk is not None and blk.ref_cnt > 1
 
     def fork(self, parent_id: int, child: KVSeq) -> None:
         """The child shares all of the parent's blocks; the first write into a shared block
@@ -241,9 +394,13 @@ class KVCacheManager:
                 f"fork of {parent_id}: the child counts {child.num_computed_tokens} computed "
                 f"tokens, the parent {parent.seq.num_computed_tokens}"
             )
-        for blk in parent.blocks:
-            self.block_pool.touch(blk)
-        self._seqs[child.seq_id] = _Seq(child, list(parent.blocks), list(parent.chain_keys))
+        for table in parent.blocks:
+            for blk in table:
+                if blk is not None:
+                    self.block_pool.touch(blk)
+        self._seqs[child.seq_id] = _Seq(child, [list(t) for t in parent.blocks],
+                                        [list(k) for k in parent.chain_keys],
+                                        trimmed=list(parent.trimmed))
 
     def free(self, seq_id: int) -> None:
         """Drop a sequence in any state; its computed-token count goes back to 0. Unknown ids are
@@ -253,7 +410,8 @@ class KVCacheManager:
         if state is None:
             return
         pool = self.cpu_pool if state.swapped else self.block_pool
-        pool.free(reversed(state.blocks))
+        for table in state.blocks:
+            pool.free(blk for blk in reversed(table) if blk is not None)
         state.seq.num_computed_tokens = 0
 
     def uncache_from(self, seq_id: int, num_tokens: int) -> None:
@@ -264,10 +422,11 @@ class KVCacheManager:
         if state is None or state.swapped:
             return
         keep = num_tokens // self.block_size
-        for blk in state.blocks[keep:]:
-            if blk.ref_cnt == 1:  # shared blocks were computed by someone else
-                self.block_pool.uncache(blk)
-        del state.chain_keys[keep:]
+        for table, keys in zip(state.blocks, state.chain_keys, strict=True):
+            for blk in table[keep:]:
+                if blk is not None and blk.ref_cnt == 1:  # shared: computed by someone else
+                    self.block_pool.uncache(blk)
+            del keys[keep:]
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies (src, dst), handed over once."""
@@ -276,29 +435,38 @@ class KVCacheManager:
 
     # -- swap -----------------------------------------------------------------------------------
     def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
-        """Move a group to CPU blocks and return the (gpu_block, cpu_block) copies, or None
-        (nothing moves) when the CPU pool is too small. A block shared inside the group is
-        copied once and stays shared; its GPU copy stays prefix-cached."""
+        """Move a group of sequences to CPU blocks and return the (gpu_block, cpu_block)
+        copies, or None (nothing moves) when the CPU pool is too small. A block shared inside
+        the group is copied once and stays shared; its GPU copy stays prefix-cached."""
         states = self._group(seq_ids, swapped=False)
+        for state in states:
+            self.free_out_of_window(state.seq.seq_id)  # nothing to carry that nobody reads
         cpu = self.cpu_pool
-        if len({blk.block_id for s in states for blk in s.blocks}) > cpu.num_free_blocks:
+        distinct = {blk.block_id for s in states for t in s.blocks for blk in t if blk is not None}
+        if len(distinct) > cpu.num_free_blocks:
             return None
         placed: dict[int, KVBlock] = {}
         copies: list[tuple[int, int]] = []
         for state in states:
-            cpu_blocks = []
-            for blk in state.blocks:
-                dst = placed.get(blk.block_id)
-                if dst is None:
-                    dst = placed[blk.block_id] = cpu.get_new_block()
-                    cpu.set_filled(dst, blk.num_filled)
-                    dst.token_ids = blk.token_ids
-                    copies.append((blk.block_id, dst.block_id))
-                else:
-                    cpu.touch(dst)
-                cpu_blocks.append(dst)
-            self.block_pool.free(reversed(state.blocks))
-            state.blocks, state.swapped = cpu_blocks, True
+            cpu_tables: list[list[KVBlock | None]] = []
+            for table in state.blocks:
+                cpu_blocks: list[KVBlock | None] = []
+                for blk in table:
+                    if blk is None:
+                        cpu_blocks.append(None)
+                        continue
+                    dst = placed.get(blk.block_id)
+                    if dst is None:
+                        dst = placed[blk.block_id] = cpu.get_new_block()
+                        cpu.set_filled(dst, blk.num_filled)
+                        dst.token_ids = blk.token_ids
+                        copies.append((blk.block_id, dst.block_id))
+                    else:
+                        cpu.touch(dst)
+                    cpu_blocks.append(dst)
+                self.block_pool.free(blk for blk in reversed(table) if blk is not None)
+                cpu_tables.append(cpu_blocks)
+            state.blocks, state.swapped = cpu_tables, True
         return copies
 
     def _swap_in_plan(self, states: list[_Seq]) -> tuple[dict[int, KVBlock | None], int]:
@@ -307,13 +475,14 @@ class KVCacheManager:
         reuse: dict[int, KVBlock | None] = {}
         for state in states:
             hashes = state.seq.block_hashes
-            for i, cpu_blk in enumerate(state.blocks):
-                if cpu_blk.block_id not in reuse:
-                    reuse[cpu_blk.block_id] = (
-                        self.block_pool.get_block_by_key(hashes[i], state.chain_keys[i])
-                        if i < len(state.chain_keys)
-                        else None
-                    )
+            for g, (table, keys) in enumerate(zip(state.blocks, state.chain_keys, strict=True)):
+                for i, cpu_blk in enumerate(table):
+                    if cpu_blk is not None and cpu_blk.block_id not in reuse:
+                        reuse[cpu_blk.block_id] = (
+                            self.block_pool.get_block_by_key(self._key(hashes[i], g), keys[i])
+                            if i < len(keys)
+                            else None
+                        )
         copied = sum(target is None for target in reuse.values())
         revived = {t.block_id for t in reuse.values() if t is not None and t.ref_cnt == 0}
         return reuse, copied + len(revived)
@@ -333,34 +502,56 @@ class KVCacheManager:
         copies: list[tuple[int, int]] = []
         for state in states:
             seq = state.seq
-            gpu_blocks: list[KVBlock] = []
-            for i, cpu_blk in enumerate(state.blocks):
-                full = i < len(state.chain_keys)
-                if cpu_blk.block_id in placed:
-                    gpu, key = placed[cpu_blk.block_id]
-                    pool.touch(gpu)
-                elif (target := reuse[cpu_blk.block_id]) is not None:
-                    gpu, key = target, state.chain_keys[i]
-                else:
-                    gpu, key = pool.get_new_block(), None
-                    pool.set_filled(gpu, cpu_blk.num_filled)
-                    copies.append((cpu_blk.block_id, gpu.block_id))
-                    if full and cpu_blk.token_ids is not None:
-                        parent_key = state.chain_keys[i - 1] if i else 0
-                        key = self._record_full_block(
-                            gpu, seq.block_hashes[i], cpu_blk.token_ids, parent_key, seq
-                        )
-                placed[cpu_blk.block_id] = (gpu, key)
-                if full:
-                    state.chain_keys[i] = key
-                gpu_blocks.append(gpu)
-            self.cpu_pool.free(reversed(state.blocks))
-            state.blocks, state.swapped = gpu_blocks, False
+            gpu_tables: list[list[KVBlock | None]] = []
+            for g in self._group_order:
+                table, keys = state.blocks[g], state.chain_keys[g]
+                gpu_blocks: list[KVBlock | None] = []
+                for i, cpu_blk in enumerate(table):
+                    if cpu_blk is None:
+                        gpu_blocks.append(None)
+                        continue
+                    full = i < len(keys)
+                    if cpu_blk.block_id in placed:
+                        gpu, key = placed[cpu_blk.block_id]
+                        pool.touch(gpu)
+                    elif (target := reuse[cpu_blk.block_id]) is not None:
+                        gpu, key = target, keys[i]
+                    else:
+                        gpu, key = pool.get_new_block(), None
+                        pool.set_filled(gpu, cpu_blk.num_filled)
+                        copies.append((cpu_blk.block_id, gpu.block_id))
+                        if full and cpu_blk.token_ids is not None:
+                            key = self._record_full_block(
+                                gpu, self._key(seq.block_hashes[i], g), cpu_blk.token_ids,
+                                self._parent_key(state, g, i), seq)
+                    placed[cpu_blk.block_id] = (gpu, key)
+                    if full:
+                        keys[i] = key
+                    gpu_blocks.append(gpu)
+                self.cpu_pool.free(blk for blk in reversed(table) if blk is not None)
+                gpu_tables.append(gpu_blocks)
+            order = self._group_order
+            state.blocks = [gpu_tables[order.index(g)] for g in range(self.num_groups)]
+            state.swapped = False
         return copies
+
+    def _parent_key(self, state: _Seq, g: int, i: int) -> int | None:
+        """What block i of group g chains onto when it is registered: the block before it in
+        a full-attention group (and where every group slides), the anchor's block at the same
+        position in a sliding group of a hybrid model."""
+        if self.windows[g] is None or self._anchor is None:
+            return state.chain_keys[g][i - 1] if i else 0
+        return state.chain_keys[self._anchor][i]
 
     # -- queries --------------------------------------------------------------------------------
     def block_table(self, seq_id: int) -> list[int]:
-        return [blk.block_id for blk in self._on_gpu(seq_id).blocks]
+        """Group 0's block table (freed out-of-window entries read the null block)."""
+        return self.block_tables(seq_id)[0]
+
+    def block_tables(self, seq_id: int) -> list[list[int]]:
+        null = self.null_block_id
+        return [[null if blk is None else blk.block_id for blk in table]
+                for table in self._on_gpu(seq_id).blocks]
 
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
@@ -368,9 +559,18 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.num_used_blocks / self.num_blocks
 
+    def sliding_blocks_held(self) -> int:
+        """The most blocks any running sequence holds in one sliding-window group (0 without
+        sliding groups): what the window bounds, about window/block_size + 1."""
+        held = [sum(blk is not None for blk in s.blocks[g])
+                for s in self._seqs.values() if not s.swapped
+                for g, w in enumerate(self.windows) if w is not None]
+        return max(held, default=0)
+
     def stats(self) -> dict[str, int | float]:
         pool = self.block_pool
-        table_entries = sum(len(s.blocks) for s in self._seqs.values() if not s.swapped)
+        table_entries = sum(blk is not None for s in self._seqs.values() if not s.swapped
+                            for table in s.blocks for blk in table)
         return {
             "kv_blocks_total": self.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,
@@ -382,6 +582,9 @@ class KVCacheManager:
                 live_slots=pool.num_live_slots,
             ),
             "kv_blocks_saved_by_sharing": table_entries - pool.num_used_blocks,
+            "kv_cache_groups": self.num_groups,
+            "kv_blocks_freed_out_of_window": self.blocks_freed_out_of_window,
+            "kv_sliding_blocks_held_max": self.sliding_blocks_held(),
             "prefix_cache_query_tokens": self.prefix_cache_query_tokens,
             "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
             "peak_kv_blocks_used": pool.peak_used_blocks,
@@ -398,29 +601,39 @@ class KVCacheManager:
             seq = state.seq
             computed = seq.num_computed_tokens
             assert seq.seq_id == seq_id, f"seq {seq_id} is filed under another id"
-            assert len(state.blocks) == _cdiv(computed, bs), (
-                f"seq {seq_id}: {len(state.blocks)} blocks for {computed} tokens "
-                f"(paging reserves nothing ahead)"
-            )
             assert computed <= len(seq.token_ids), f"seq {seq_id}: computed unknown tokens"
-            assert len({id(b) for b in state.blocks}) == len(state.blocks), (
-                f"seq {seq_id}: a block appears twice in one block table"
-            )
+            assert len(state.blocks) == len(state.chain_keys) == self.num_groups, (
+                f"seq {seq_id}: {len(state.blocks)} block tables for {self.num_groups} groups")
             n_full = computed // bs if self.enable_prefix_caching else 0
-            assert len(state.chain_keys) == n_full, (
-                f"seq {seq_id}: {len(state.chain_keys)} registered blocks of {n_full} full ones"
-            )
-            for i, blk in enumerate(state.blocks):
-                refs[state.swapped][blk.block_id] += 1
-                expect = min(bs, computed - i * bs)
-                assert blk.num_filled == expect, (
-                    f"seq {seq_id} block {blk.block_id}: {blk.num_filled} slots filled, "
-                    f"expected {expect}"
-                )
-                if blk.block_hash is not None and not state.swapped:
-                    assert i < n_full and blk.block_hash == seq.block_hashes[i], (
-                        f"seq {seq_id} block {blk.block_id}: cached under another position's hash"
-                    )
+            for g, (table, keys) in enumerate(zip(state.blocks, state.chain_keys, strict=True)):
+                where = f"seq {seq_id} group {g}"
+                assert len(table) == _cdiv(computed, bs), (
+                    f"{where}: {len(table)} blocks for {computed} tokens (paging reserves "
+                    "nothing ahead)")
+                live = [blk for blk in table if blk is not None]
+                assert len({id(b) for b in live}) == len(live), (
+                    f"{where}: a block appears twice in one block table")
+                dead = self._first_live(g, computed)
+                for i, blk in enumerate(table):
+                    if blk is None:
+                        assert i < dead, f"{where}: block {i} freed but still in the window"
+                        continue
+                    assert i >= state.trimmed[g], f"{where}: block {i} below the trim mark"
+                assert len(keys) == n_full, (
+                    f"{where}: {len(keys)} registered blocks of {n_full} full ones")
+                for i, blk in enumerate(table):
+                    if blk is None:
+                        continue
+                    refs[state.swapped][blk.block_id] += 1
+                    expect = min(bs, computed - i * bs)
+                    assert blk.num_filled == expect, (
+                        f"{where} block {blk.block_id}: {blk.num_filled} slots filled, "
+                        f"expected {expect}")
+                    if blk.block_hash is not None and not state.swapped:
+                        assert i < n_full and blk.block_hash == self._key(
+                            seq.block_hashes[i], g), (
+                            f"{where} block {blk.block_id}: cached under another position's "
+                            "hash")
         for swapped, pool in ((False, self.block_pool), (True, self.cpu_pool)):
             for blk in pool.blocks:
                 assert blk.ref_cnt == refs[swapped][blk.block_id], (

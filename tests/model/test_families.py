@@ -1,6 +1,9 @@
 """Every supported family, as a tiny random-weight HF model built here, gives HF transformers'
 greedy tokens in fp32: batched and one by one, block sizes 1 / 16 / 256, prefix caching on and
-off, under preemption, with chunked prefill. Real head / kv-head ratios (grouped queries)."""
+off, under preemption, with chunked prefill. Real head / kv-head ratios (grouped queries).
+Sliding windows (40-56 tokens) shorter than most prompts (3..160 tokens, plus 32 generated), so
+the window really cuts and its blocks really go back to the pool; Qwen2 and Qwen3 slide on some
+layers only (max_window_layers), which makes them hybrid KV caches of several groups."""
 
 from __future__ import annotations
 
@@ -19,12 +22,16 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
+# name (model_type, or model_type-variant) -> HF config class, model class, config overrides
 FAMILIES = {
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "use_sliding_window": False,
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 40}),
+    "mistral-full": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True,
+                                                  "sliding_window": 48, "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "use_sliding_window": True,
+                                                  "sliding_window": 40, "max_window_layers": 2,
                                                   "tie_word_embeddings": True}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "sliding_window": 56}),
 }
 
 
@@ -94,12 +101,19 @@ def check_greedy(name: str, path: Path, ps: list[list[int]], refs: list[list[int
                  config: str) -> LLM:
     """octavo under CONFIGS[config] gives `refs` (batched, and one by one at block size 1),
     preempts where it should, and returns every block; the engine, for further checks."""
-    llm = LLM(model=str(path), **CONFIGS[config])
-    assert llm.engine.model_config.model_type == name
+    model = ModelConfig.from_dir(path)
+    args = dict(CONFIGS[config])
+    if "num_kv_blocks" in args:  # the same memory: a hybrid cache's blocks hold fewer layers
+        args["num_kv_blocks"] *= model.kv_groups.num_groups
+    llm = LLM(model=str(path), **args)
+    assert llm.engine.model_config.model_type == name.split("-")[0]
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
     for i, out in enumerate(outs):
         assert out.outputs[0].token_ids == refs[i], f"{name} {config}: prompt {i} differs"
     stats = llm.stats()
+    windows = [w for w in model.layer_windows if w is not None]
+    if windows and max(windows) + CONFIGS[config].get("block_size", 16) < max(map(len, ps)):
+        assert stats["kv_blocks_freed_out_of_window"] > 0, "the window never freed a block"
     if config == "preempt-chunked":
         assert stats["num_preemptions"] > 0
     assert stats["kv_blocks_used"] == 0
@@ -115,18 +129,24 @@ def test_greedy_equals_transformers(family, config) -> None:
     check_greedy(*family, config)
 
 
-def test_a_sliding_window_caps_max_model_len(tmp_path) -> None:
-    """A Mistral with a 128-token window runs with full attention up to the window (the same
-    thing there), and refuses a longer max_model_len with the reason."""
-    path = build(tmp_path / "m", "mistral", sliding_window=128)
-    assert ModelConfig.from_dir(path).sliding_window == 128
-    llm = LLM(model=str(path), num_kv_blocks=64)
-    assert llm.engine.max_model_len == 128
-    ps = [p for p in prompts() if len(p) + MAX_TOKENS <= 128]
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, ps)
-    with pytest.raises(ValueError, match="sliding window"):
-        LLM(model=str(path), num_kv_blocks=64, max_model_len=256)
+def test_layer_windows_follow_transformers(tmp_path) -> None:
+    """Which layers slide, and the KV cache groups that follow from it."""
+    import transformers
+
+    for name, (config_cls, _, extra) in FAMILIES.items():
+        hf = getattr(transformers, config_cls)(**{**COMMON, **extra})
+        ours = ModelConfig.from_hf_dict(hf.to_dict())
+        types = getattr(hf, "layer_types", None) or ["sliding_attention" if hf.sliding_window
+                                                     else "full_attention"] * 3
+        window = hf.sliding_window
+        assert ours.layer_windows == tuple(window if t == "sliding_attention" else None
+                                           for t in types), name
+    qwen2 = ModelConfig.from_hf_dict(transformers.Qwen2Config(
+        **{**COMMON, **FAMILIES["qwen2"][2]}).to_dict()).kv_groups
+    assert qwen2.windows == (None, 48, 48) and qwen2.slots_per_group == 1
+    mistral = ModelConfig.from_hf_dict(transformers.MistralConfig(
+        **{**COMMON, **FAMILIES["mistral"][2]}).to_dict()).kv_groups
+    assert mistral.windows == (40,) and mistral.slots_per_group == 3
 
 
 def test_unsupported_model_type_lists_the_supported(tmp_path) -> None:

@@ -24,9 +24,9 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1],
-        use_sliding_window=False)),
+        use_sliding_window=True, sliding_window=32, max_window_layers=2)),  # layer 0 slides
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=None)),
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=48)),
 }
 
 

@@ -47,7 +47,7 @@ def allocate(m: KVCacheManager, s: KVSeq, n: int, *, use_prefix_cache: bool = Tr
     table = m.block_table(s.seq_id)
     assert new == NewBlocks(0, table), "a start returns the whole block table"
     if cached is not None:
-        assert table[: len(cached.blocks)] == [b.block_id for b in cached.blocks]
+        assert table[: len(cached.blocks[0])] == [b.block_id for b in cached.blocks[0]]
     assert s.num_computed_tokens == num_cached + n
     return num_cached
 
@@ -69,7 +69,7 @@ def grow(m: KVCacheManager, s: KVSeq, n: int) -> NewBlocks:
 def cached_tokens(m: KVCacheManager, tokens: Iterable[int], extra_key: Hashable = None) -> int:
     """The old find_cached_prefix(tokens, extra_key): leading tokens found in the cache."""
     found = m.get_computed_blocks(seq(-1, tokens, extra_key))
-    assert len(found.blocks) * BS == found.num_tokens
+    assert len(found.blocks[0]) * BS == found.num_tokens
     return found.num_tokens
 
 
@@ -154,7 +154,7 @@ def test_prefix_hit_reuses_the_cached_blocks() -> None:
     assert m.stats()["prefix_cache_query_tokens"] == 10
     s2 = seq(2, prompt)
     cached = m.get_computed_blocks(s2)
-    assert [b.block_id for b in cached.blocks] == first[:2]
+    assert [b.block_id for b in cached.blocks[0]] == first[:2]
     assert allocate(m, s2, 2) == 8
     assert m.block_table(2)[:2] == first[:2]
     st = m.stats()

@@ -112,9 +112,9 @@ class PagedKVMachine(RuleBasedStateMachine):
         m = self.mgr
         # A hit on a cached-free block takes it off the free list; a hit on a used one is free.
         needed = (
-            sum(b.ref_cnt == 0 for b in cached.blocks)
+            sum(b.ref_cnt == 0 for b in cached.blocks[0])
             + _cdiv(cached.num_tokens + n, BS)
-            - len(cached.blocks)
+            - len(cached.blocks[0])
         )
         free = m.num_free_blocks()
         before = self.snapshot()
@@ -145,12 +145,12 @@ class PagedKVMachine(RuleBasedStateMachine):
         s = new_seq(seq_id, prompt, extra)
         cached = self.mgr.get_computed_blocks(s)
         nc = cached.num_tokens
-        assert nc % BS == 0 and 0 <= nc < len(prompt) and len(cached.blocks) * BS == nc
+        assert nc % BS == 0 and 0 <= nc < len(prompt) and len(cached.blocks[0]) * BS == nc
         n = data.draw(st.integers(1, len(prompt) - nc), label="chunk")
         if not self.admit(s, n, cached):
             return
         table = self.mgr.block_table(seq_id)
-        assert table[: nc // BS] == [b.block_id for b in cached.blocks]
+        assert table[: nc // BS] == [b.block_id for b in cached.blocks[0]]
         for i in range(nc // BS):
             assert self.mgr.block_pool.blocks[table[i]].token_ids == tuple(
                 prompt[i * BS : (i + 1) * BS]

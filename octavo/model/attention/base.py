@@ -31,6 +31,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded
     decode_context_lens: torch.Tensor | None  # [num_decodes] long
     prefills: list[PrefillChunk]
+    # sliding-window groups: the position of each decode row's first gathered key (its block
+    # table starts at the window's first block); None: the tables start at position 0
+    decode_first_pos: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):

@@ -98,17 +98,19 @@ class TorchAttentionBackend(AttentionBackend):
         keys = gather_blocks(k_cache, meta.decode_block_tables)  # [B, L, kvh, d]
         values = gather_blocks(v_cache, meta.decode_block_tables)
         length = keys.shape[1]
-        positions = torch.arange(length, device=q.device)
-        mask = positions[None, :] < meta.decode_context_lens[:, None]  # [B, L]
+        positions = torch.arange(length, device=q.device)[None, :]
+        if meta.decode_first_pos is not None:
+            positions = positions + meta.decode_first_pos[:, None]
+        mask = positions < meta.decode_context_lens[:, None]  # [B, L]
         if window is not None or softcap is not None:
             if window is not None:  # the query sits at context_len - 1
-                mask &= positions[None, :] >= meta.decode_context_lens[:, None] - window
+                mask &= positions >= meta.decode_context_lens[:, None] - window
             return masked_attention(q[:, None], keys, values, mask[:, None], scale, softcap)[:, 0]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, h, 1, d]
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
+            attn_mask=mask[:, None, None, :],  # [B, 1, 1, L]
             scale=scale,
             enable_gqa=True,
         )
