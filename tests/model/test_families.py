@@ -117,6 +117,10 @@ def check_greedy(name: str, path: Path, ps: list[list[int]], refs: list[list[int
     if config == "preempt-chunked":
         assert stats["num_preemptions"] > 0
     assert stats["kv_blocks_used"] == 0
+    if config == "batched-bs16-cache":  # again, now from the prefix cache (every group's)
+        again = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == refs, f"{name}: cached run differs"
+        assert llm.stats()["prefix_cache_hit_tokens"] > stats["prefix_cache_hit_tokens"]
     if config == "bs1-nocache":  # one by one too
         for i, p in enumerate(ps[:3]):
             got = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
