@@ -214,6 +214,29 @@ class SamplingParams:
         if eos_token_id is not None and not self.ignore_eos:
             self.all_stop_token_ids.add(eos_token_id)
 
+    def update_from_generation_config(self, generation_config: dict[str, Any],
+                                      model_eos_token_id: int | None = None) -> None:
+        """Stop on every EOS id of the model (vLLM's update_from_generation_config).
+
+        `model_eos_token_id` (the tokenizer's EOS) is the one the stop checker knows as EOS;
+        the other ids of generation_config["eos_token_id"] (an int or a list, e.g. Gemma 3's
+        [1, 106], 106 = <end_of_turn>) join stop_token_ids, so a request stops on them with
+        finish_reason "stop" and stop_reason the id, as vLLM reports them. All of them are
+        banned while fewer than min_tokens were generated. With ignore_eos none of them stops
+        a request or is banned (unlike vLLM, which still bans them before min_tokens: here
+        ignore_eos leaves the tokenizer's EOS alone too, see update_from_tokenizer); explicit
+        stop_token_ids are kept either way.
+        """
+        self.update_from_tokenizer(model_eos_token_id)
+        eos = generation_config.get("eos_token_id")
+        if eos is None or self.ignore_eos:
+            return
+        ids = [eos] if isinstance(eos, int) else list(eos)
+        extra = [t for t in dict.fromkeys(ids) if t != model_eos_token_id]
+        self.all_stop_token_ids.update(extra)
+        self.stop_token_ids = list(self.stop_token_ids or []) + [
+            t for t in extra if t not in (self.stop_token_ids or [])]
+
     def clone(self) -> SamplingParams:
         """Deep-enough copy: lists are copied so per-sequence edits don't leak."""
         from copy import deepcopy

@@ -103,8 +103,9 @@ def main() -> None:
                                "mask_us_median": 1e6 * statistics.median(xg_mask),
                                "mask_us_mean": 1e6 * statistics.mean(xg_mask),
                                "mask_us_p99": 1e6 * float(np.quantile(xg_mask, 0.99))}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f
+                    if line.startswith("model name")), platform.processor())
     print(json.dumps({"cpu": cpu, "torch_threads": torch.get_num_threads(), "vocab": vocab,
                       "schemas": list(SCHEMAS), "steps_per_schema": STEPS,
                       "results": results}, indent=2))

@@ -46,6 +46,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], default=None,
                    help="repeatable; default float32 (throughput full runs: both)")
     p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--workload", action="append", default=None,
+                   help="repeatable; run only these of the benchmark's workloads (throughput: "
+                   "mixed, sharegpt)")
     p.add_argument("--replot", action="store_true",
                    help="only redraw OUT/NAME.png from OUT/NAME.json (no benchmark runs)")
     p.add_argument("--threads", type=int, default=1,
@@ -68,7 +71,8 @@ def options(args: argparse.Namespace, argv: list[str]) -> BenchOptions:
                             and not args.quick else ["float32"])
     return BenchOptions(quick=args.quick, out=Path(args.out), seed=args.seed,
                         repeats=args.repeats, model=args.model, dtypes=dtypes,
-                        num_requests=args.num_requests, peer=args.peer,
+                        num_requests=args.num_requests, workloads=args.workload or [],
+                        peer=args.peer,
                         peer_python=args.peer_python, threads=args.threads, command=command,
                         engine_overrides=engine_args.cli_overrides(args, BENCH_OWNED))
 

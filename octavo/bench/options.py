@@ -16,6 +16,7 @@ class BenchOptions:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtypes: list[str] = field(default_factory=lambda: ["float32"])
     num_requests: int | None = None  # override a benchmark's default request count
+    workloads: list[str] = field(default_factory=list)  # only these workloads (empty: all)
     peer: list[str] = field(default_factory=list)  # "vllm"
     peer_python: str | None = None
     threads: int = 1  # torch threads here and in the server / peer subprocesses

@@ -25,11 +25,15 @@ from octavo.paging.waste import SLOT_KEYS
 ALLOCATORS = ("contiguous-max", "contiguous-request", "paged")
 
 
-def make_allocator(kind: str, *, kv_tokens: int, block_size: int, max_model_len: int):
+def make_allocator(kind: str, *, kv_tokens: int, block_size: int, max_model_len: int,
+                   window: int | None = None):
     """`kv_tokens` of KV memory cut into blocks; contiguous baselines use 1-token blocks so that
-    only their reservation policy (not a block size) decides what they waste."""
+    only their reservation policy (not a block size) decides what they waste. `window`: a
+    Mistral-style model whose every layer slides (paging frees what leaves the window; a
+    contiguous reservation cannot)."""
     if kind == "paged":
-        return KVCacheManager(kv_tokens // block_size, block_size, enable_prefix_caching=False)
+        return KVCacheManager(kv_tokens // block_size, block_size, enable_prefix_caching=False,
+                              windows=(window,))
     if kind in ("contiguous-max", "contiguous-request"):
         reserve = "max_model_len" if kind == "contiguous-max" else "request"
         return ContiguousAllocator(kv_tokens, 1, max_model_len=max_model_len, reserve=reserve)
@@ -43,6 +47,7 @@ class _Seq:
     output_len: int
     generated: int = 0
     kv: KVSeq | None = None  # its tokens as the allocator sees them, while it runs
+    reserved_slots: int = 0  # a contiguous reservation's size, while it runs
 
 
 @dataclass
@@ -58,9 +63,22 @@ class SimResult:
     requests_per_1k_steps: float  # over the whole replay (the drain tail included)
     loaded_requests_per_1k_steps: float  # completions while requests were waiting
     loaded_steps: int
+    window: int | None  # every layer's sliding window (None: full attention)
+    max_seq_slots: int  # the most KV slots one sequence held at the end of a step
     waste_of_total: dict[str, dict[str, float]]
     waste_of_used: dict[str, dict[str, float]]
     running_series: list[int] = field(default_factory=list)
+
+
+def max_held_slots(kv, running: list[_Seq]) -> int:
+    """The most KV slots one running sequence holds: its blocks (paging; a sliding window's
+    only), or its whole reservation (contiguous)."""
+    if isinstance(kv, KVCacheManager):
+        if kv.windows[0] is not None:
+            return kv.sliding_blocks_held() * kv.block_size
+        return max((-(-s.kv.num_computed_tokens // kv.block_size) * kv.block_size
+                    for s in running if s.kv is not None), default=0)
+    return max((s.reserved_slots for s in running), default=0)
 
 
 def _occupied_only(stats: dict) -> dict:
@@ -80,10 +98,11 @@ def simulate(
     seed: int = 0,
     watermark: float = 0.01,
     series_points: int = 400,
+    window: int | None = None,
 ) -> SimResult:
     """Replay `workload`; `arrival_rate` is in requests per step (inf: all arrive at once)."""
     kv = make_allocator(kind, kv_tokens=kv_tokens, block_size=block_size,
-                        max_model_len=workload.max_model_len)
+                        max_model_len=workload.max_model_len, window=window)
     paged = kind == "paged"
     wm_blocks = math.ceil(watermark * kv.num_blocks) if paged else 0
     bs = kv.block_size
@@ -95,7 +114,7 @@ def simulate(
     used_of = WasteTracker()
     running_counts: list[int] = []
     loaded_counts: list[int] = []
-    preemptions = completed = step = loaded_completed = 0
+    preemptions = completed = step = loaded_completed = max_seq_slots = 0
     nxt = 0
     while nxt < len(pending) or waiting or running:
         while nxt < len(pending) and arrivals[nxt] <= step:
@@ -129,9 +148,15 @@ def simulate(
                                  final_tokens=seq.prompt_len + seq.output_len - 1) is None:
                 break
             seq.kv = tokens
+            if not paged:
+                seq.reserved_slots = len(kv.block_table(seq.index)) * bs
             waiting.pop(0)
             running.append(seq)
             seq.generated += 1
+        if window is not None:
+            for seq in running:  # the step is done: what left the window goes back
+                kv.free_out_of_window(seq.index)
+        max_seq_slots = max(max_seq_slots, max_held_slots(kv, running))
         stats = kv.stats()
         total_of.sample(stats)
         occupied = kv_tokens - stats[SLOT_KEYS["free"]]
@@ -164,6 +189,8 @@ def simulate(
         requests_per_1k_steps=1000 * completed / max(step, 1),
         loaded_requests_per_1k_steps=1000 * loaded_completed / max(len(loaded_counts), 1),
         loaded_steps=len(loaded_counts),
+        window=window,
+        max_seq_slots=max_seq_slots,
         waste_of_total=total_of.summary(),
         waste_of_used=used_of.summary(),
         running_series=running_counts[::stride],

@@ -43,7 +43,23 @@ def bench_workloads(opts: BenchOptions) -> list[workloads.Workload]:
     share = workloads.sharegpt(n, vocab=vocab, seed=opts.seed).capped(opts.pick(16, 96), 512)
     if opts.model:
         share = share.capped(opts.pick(16, 128), 120)
-    return [mixed, share]
+    chosen = [w for w in (mixed, share) if not opts.workloads or w.name in opts.workloads]
+    if not chosen:
+        raise ValueError(f"--workload {opts.workloads}: the throughput workloads are "
+                         f"{mixed.name}, {share.name}")
+    return chosen
+
+
+def octavo_engines(opts: BenchOptions) -> dict[str, str]:
+    """The contiguous baseline holds one block table per sequence: not for a model whose local
+    and global layers keep separate ones (Gemma 2/3)."""
+    from octavo.config import ModelConfig
+    from octavo.model.loader import resolve_model_dir
+
+    groups = ModelConfig.from_dir(resolve_model_dir(opts.model)).kv_groups.num_groups
+    if groups > 1:
+        return {k: v for k, v in OCTAVO_ENGINES.items() if v == "paged"}
+    return dict(OCTAVO_ENGINES)
 
 
 class OctavoEngine:
@@ -67,7 +83,7 @@ def make_engines(opts: BenchOptions, dtype: str) -> dict[str, Any]:
     from octavo.bench.hf_baseline import HFGenerate
 
     engines: dict[str, Any] = {name: OctavoEngine(opts, dtype, alloc)
-                               for name, alloc in OCTAVO_ENGINES.items()}
+                               for name, alloc in octavo_engines(opts).items()}
     engines["hf-generate"] = HFGenerate(opts.model, dtype, batch_size=64)
     return engines
 
@@ -160,8 +176,10 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     wls = bench_workloads(opts)
     repeats = opts.reps(1, 3)
     rows: list[dict] = []
+    kernel_paths = {}
     for dtype in opts.dtypes:
         engines = make_engines(opts, dtype)
+        kernel_paths[dtype] = engines["octavo-paged"].llm.engine.runner.kernel_path()
         rows += interleaved(engines, wls, repeats, dtype)
         del engines
         gc.collect()
@@ -207,7 +225,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                    f"{100 * r['sched_share']:.1f}%", r["output_tok_s"]] for r in sweep], 3),
     ]
     config = {"workloads": [w.describe() for w in wls], "repeats": repeats,
-              "dtypes": opts.dtypes, "kv_tokens": KV_TOKENS, "peer": opts.peer}
+              "dtypes": opts.dtypes, "kv_tokens": KV_TOKENS, "peer": opts.peer,
+              "octavo_engines": list(octavo_engines(opts)), "kernel_path": kernel_paths}
     res = BenchResult("throughput", opts.command, config, {"engines": rows, "sweep": sweep},
                       "\n".join(md), elapsed_s=time.perf_counter() - t0)
     return res, plot

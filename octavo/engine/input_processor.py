@@ -40,6 +40,9 @@ class InputProcessor:
         self.vocab_size = model.vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id(tokenizer, model)
+        # the model's EOS ids (config.json's eos_token_id, an int or a list): requests stop on
+        # all of them, the ones besides the tokenizer's EOS as stop token ids
+        self.generation_config: dict[str, Any] = {"eos_token_id": list(model.eos_token_ids)}
         self.hasher = hasher  # None when prefix caching is off: nothing is hashed
         self._arrivals = itertools.count()
 
@@ -70,9 +73,10 @@ class InputProcessor:
                 beam_params, max_tokens=min(beam_params.max_tokens, limit))
             params = beam_sampling_params(beam_params)
         else:
-            # the engine's own copy: EOS joins the ids banned before min_tokens
+            # the engine's own copy: every EOS id stops it (the model's others as stop token
+            # ids) and joins the ids banned before min_tokens
             params = (params or SamplingParams()).clone()
-            params.update_from_tokenizer(self.eos_token_id)
+            params.update_from_generation_config(self.generation_config, self.eos_token_id)
             for name, ids in (("logit_bias", params.logit_bias or {}),
                               ("allowed_token_ids", params.allowed_token_ids or [])):
                 bad = [t for t in ids if t >= self.vocab_size]

@@ -4,7 +4,8 @@ A full block is named by hash(parent block hash, its token ids, extra key), so e
 equal prefixes, not just equal blocks. The digest is 128-bit blake2b over a fixed-layout encoding
 (16-byte parent digest, the tokens as int64, then repr(extra_key)), which makes accidental
 collisions vanishingly rare; the block pool still verifies token ids, extra key and parent
-identity on every hit, so even a colliding digest can never hand out the wrong KV.
+identity on every hit, so even a colliding digest can never hand out the wrong KV (except at
+the first block of a sliding-window hit where every layer slides: see kv_manager.py).
 """
 
 from __future__ import annotations

