@@ -70,9 +70,32 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ValueError(
-        f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
-    )
+    if rope_type == "longrope":  # Phi-3: the short factors (the long ones: longrope_long)
+        return _longrope(config, "short_factor")
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, "
+                     "linear, llama3, longrope)")
+
+
+def _longrope_original(config: ModelConfig) -> int:
+    scaling = config.rope_scaling or {}
+    return int(scaling.get("original_max_position_embeddings")
+               or config.hf.get("original_max_position_embeddings")
+               or config.max_position_embeddings)
+
+
+def _longrope(config: ModelConfig, which: str) -> tuple[torch.Tensor, float]:
+    """LongRoPE (transformers' _compute_longrope_parameters): per-frequency factors, and an
+    attention factor sqrt(1 + ln(factor) / ln(original)) on cos and sin."""
+    scaling = config.rope_scaling or {}
+    dim = config.head_dim
+    original = _longrope_original(config)
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(scaling[which], dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * config.rope_theta**shape), float(attention)
 
 
 class RotaryEmbedding(nn.Module):
@@ -83,6 +106,15 @@ class RotaryEmbedding(nn.Module):
         inv_freq, attention_scaling = rope_inv_freq(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
+        scaling = config.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) == "longrope":
+            # positions past the original context rotate with the long factors (vLLM's choice;
+            # transformers switches the whole batch once any sequence gets that long, so the two
+            # agree below the original context, where the tests compare them)
+            original = _longrope_original(config)
+            if max_positions > original:
+                long_freq, _ = _longrope(config, "long_factor")
+                freqs[original:] = positions[original:, None] * long_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)

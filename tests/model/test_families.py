@@ -156,3 +156,18 @@ def test_layer_windows_follow_transformers(tmp_path) -> None:
 def test_unsupported_model_type_lists_the_supported(tmp_path) -> None:
     with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3, phi3"):
         ModelConfig.from_hf_dict({"model_type": "bert"})
+
+
+def test_phi3_longrope_equals_transformers(tmp_path) -> None:
+    """Phi-3's LongRoPE (the 128k models): per-frequency short factors and the attention
+    factor below the original context, where transformers and octavo agree."""
+    rng = random.Random(3)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "attention_factor": 1.6,
+            "short_factor": [1.0 + rng.random() for _ in range(8)],
+            "long_factor": [2.0 + 4 * rng.random() for _ in range(8)]}
+    path = build(tmp_path / "p", "phi3", rope_parameters=rope,
+                 original_max_position_embeddings=256, sliding_window=None)
+    config = ModelConfig.from_dir(path)
+    assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "longrope"
+    ps = prompts()
+    check_greedy("phi3", path, ps, hf_greedy(path, ps), "batched-bs16-cache")
