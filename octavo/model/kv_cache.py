@@ -2,7 +2,7 @@
 
 Layout: one tensor ``[layer_slots, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0
 of dim 1 is K, 1 is V). `layer_slots` is the layer count of one KV cache group (see
-paging/kv_groups.py): every layer for a model with one kind of attention, fewer where local and
+`KVGroups` in config.py): every layer for a model with one kind of attention, fewer where local and
 global layers keep separate block tables, each layer reading slot `layer_slot[l]` of its group's
 blocks. A physical block is ``cache[:, :, block_id]``: ``block_size`` consecutive token slots for
 every slot and KV head, so copy-on-write and swap move one block in a single indexing op, and

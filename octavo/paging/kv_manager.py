@@ -56,11 +56,12 @@ class KVCacheManager:
     exception: where every group slides (Mistral), the first block of a window hit has no
     parent left to check, and only its 128-bit digest vouches for the prefix before it.
 
-    `windows` names the KV cache groups (see kv_groups.py): one entry per group, its sliding
-    window or None for full attention. A sliding group frees every block that lies wholly
-    before the window of its next query, so a sequence holds at most about window/block_size
-    + 1 blocks there however long it gets; the freed entries read None (the runner's null
-    block). All groups draw on one pool, and every group's table covers the same tokens.
+    `windows` names the KV cache groups (see KVGroups in octavo/config.py): one entry per
+    group, its sliding window or None for full attention. A sliding group frees every block
+    that lies wholly before the window of its next query, so a sequence holds at most about
+    window/block_size + 1 blocks there however long it gets; the freed entries read None (the
+    runner's null block). All groups draw on one pool; every group's table covers the same
+    tokens.
     """
 
     def __init__(

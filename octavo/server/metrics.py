@@ -48,6 +48,10 @@ GAUGES = (
      "Free slots unusable because of fragmentation."),
     ("kv_slots_free", "kv_slots_free", "Free KV slots."),
     ("kv_cpu_blocks_used", "kv_cpu_blocks_used", "Host (swap) KV blocks in use."),
+    ("kv_sliding_blocks_held_max", "kv_sliding_blocks_held_max",
+     "Most KV blocks one sequence holds in one sliding-window layer group."),
+    ("kv_slots_out_of_window", "kv_slots_out_of_window",
+     "Held slots whose tokens left every sliding window (counted as internal waste)."),
 )
 COUNTERS = (
     ("prompt_tokens", "prompt_tokens_total", "Prefill tokens computed."),
@@ -56,6 +60,8 @@ COUNTERS = (
      "prefix cache."),
     ("prefix_cache_hits", "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache."),
     ("num_preemptions", "num_preemptions", "Preemptions (recompute or swap)."),
+    ("kv_blocks_freed_out_of_window", "kv_blocks_freed_out_of_window",
+     "KV blocks handed back because they left a sliding window."),
 )
 
 

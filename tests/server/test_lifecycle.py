@@ -126,7 +126,8 @@ def test_metric_names(tiny_server: RunningServer) -> None:
                  "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
                  "kv_blocks_used", "kv_blocks_cached_free", "kv_blocks_total",
                  "kv_slots_internal_waste", "kv_slots_reserved_waste",
-                 "kv_slots_external_waste", "num_requests_swapped"):
+                 "kv_slots_external_waste", "num_requests_swapped", "kv_sliding_blocks_held_max",
+                 "kv_slots_out_of_window", "kv_blocks_freed_out_of_window_total"):
         assert f"octavo:{name}" in m, name
     assert m["octavo:kv_blocks_total"] == 2048
     assert m["octavo:e2e_request_latency_seconds_count"] >= 1
