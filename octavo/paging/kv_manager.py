@@ -129,8 +129,10 @@ class KVCacheManager:
     def free_out_of_window(self, seq_id: int) -> int:
         """Return the blocks of a running sequence that fell out of its sliding windows (the
         scheduler calls this after each step; allocation does it too). The number freed."""
+        if not self._has_window:
+            return 0
         state = self._seqs.get(seq_id)
-        if state is None or state.swapped or not self._has_window:
+        if state is None or state.swapped:
             return 0
         return self._trim(state)
 
@@ -505,7 +507,7 @@ class KVCacheManager:
         copies: list[tuple[int, int]] = []
         for state in states:
             seq = state.seq
-            gpu_tables: list[list[KVBlock | None]] = []
+            gpu_tables: list[list[KVBlock | None]] = [[] for _ in self.windows]
             for g in self._group_order:
                 table, keys = state.blocks[g], state.chain_keys[g]
                 gpu_blocks: list[KVBlock | None] = []
@@ -532,10 +534,8 @@ class KVCacheManager:
                         keys[i] = key
                     gpu_blocks.append(gpu)
                 self.cpu_pool.free(blk for blk in reversed(table) if blk is not None)
-                gpu_tables.append(gpu_blocks)
-            order = self._group_order
-            state.blocks = [gpu_tables[order.index(g)] for g in range(self.num_groups)]
-            state.swapped = False
+                gpu_tables[g] = gpu_blocks
+            state.blocks, state.swapped = gpu_tables, False
         return copies
 
     def _parent_key(self, state: _Seq, g: int, i: int) -> int | None:
