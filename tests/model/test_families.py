@@ -35,21 +35,37 @@ FAMILIES = {
 }
 
 
-def build(path: Path, family: str, **overrides) -> Path:
+def build_model(path: Path, spec: tuple[str, str, dict], common: dict, *, seed: int,
+                perturb, eager: bool = False, **overrides) -> Path:
+    """Save a random-weight HF model: `spec` is (config class, model class, config overrides)
+    over `common`; `perturb(name, param)` gives the weights random init leaves trivial
+    something to get wrong. With the byte tokenizer."""
     import transformers
 
-    config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(1)
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+    config_cls, model_cls, extra = spec
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**common, **extra, **overrides})
+    if eager:
+        config._attn_implementation = "eager"
     model = getattr(transformers, model_cls)(config).eval()
-    # random init leaves biases at zero: give Qwen2's qkv bias something to get wrong
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+            perturb(name, p)
     model.save_pretrained(path, safe_serialization=True)
     build_byte_tokenizer(path)
     return path
+
+
+def perturb_biases_and_norms(name: str, p: torch.Tensor) -> None:
+    """Random init leaves biases at zero and norms at one: give Qwen2's qkv bias and the
+    norms something to get wrong."""
+    if name.endswith("bias") or "norm" in name:
+        p.add_(torch.randn_like(p) * 0.1)
+
+
+def build(path: Path, family: str, **overrides) -> Path:
+    return build_model(path, FAMILIES[family], COMMON, seed=1,
+                       perturb=perturb_biases_and_norms, **overrides)
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], **load: str) -> list[list[int]]:

@@ -14,8 +14,7 @@ import torch
 from octavo.config import ModelConfig
 from octavo.model.attention.base import AttentionMetadata, PrefillChunk
 from octavo.model.attention.torch_backend import TorchAttentionBackend
-from tests.conftest import build_byte_tokenizer
-from tests.model.test_families import CONFIGS, check_greedy, hf_greedy, prompts
+from tests.model.test_families import CONFIGS, build_model, check_greedy, hf_greedy, prompts
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
@@ -37,21 +36,14 @@ FAMILIES = {
 }
 
 
-def build(path: Path, family: str) -> Path:
-    import transformers
+def perturb_norms(name: str, p: torch.Tensor) -> None:
+    if "norm" in name:  # Gemma's norms start at zero (weights 1 + w): give them something
+        p.add_(torch.randn_like(p) * 0.3)
 
-    config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(3)
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
-    config._attn_implementation = "eager"
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # Gemma's norms start at zero (weights 1 + w): give them something
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-    build_byte_tokenizer(path)
-    return path
+
+def build(path: Path, family: str) -> Path:
+    return build_model(path, FAMILIES[family], COMMON, seed=3, perturb=perturb_norms,
+                       eager=True)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

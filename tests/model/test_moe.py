@@ -16,8 +16,15 @@ import torch.nn.functional as F
 from octavo.config import ModelConfig
 from octavo.model import moe
 from octavo.model.moe import SparseMoeBlock
-from tests.conftest import build_byte_tokenizer
-from tests.model.test_families import COMMON, CONFIGS, check_greedy, hf_greedy, prompts
+from tests.model.test_families import (
+    COMMON,
+    CONFIGS,
+    build_model,
+    check_greedy,
+    hf_greedy,
+    perturb_biases_and_norms,
+    prompts,
+)
 
 FAMILIES = {
     # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse; top-2 of 8, renormalised
@@ -40,22 +47,14 @@ def _torch_threads():
     torch.set_num_threads(before)
 
 
-def build(path, family: str, **overrides):
-    import transformers
+def perturb(name: str, p: torch.Tensor) -> None:
+    perturb_biases_and_norms(name, p)
+    if name.endswith("gate.weight"):  # routers: spread the experts' probabilities
+        p.normal_(0, 0.5)
 
-    config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(1)
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("gate.weight"):  # routers: spread the experts' probabilities
-                p.normal_(0, 0.5)
-    model.save_pretrained(path, safe_serialization=True)
-    build_byte_tokenizer(path)
-    return path
+
+def build(path, family: str, **overrides):
+    return build_model(path, FAMILIES[family], COMMON, seed=1, perturb=perturb, **overrides)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
