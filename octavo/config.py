@@ -104,6 +104,12 @@ class ModelConfig:
             f"its max_position_embeddings ({self.max_position_embeddings})")
 
     @property
+    def checkpoint_dtype(self) -> str:
+        """The dtype the checkpoint was saved in (HF's `dtype`, formerly `torch_dtype`)."""
+        d = self.hf.get("dtype") or self.hf.get("torch_dtype") or "float32"
+        return str(d).removeprefix("torch.")
+
+    @property
     def kv_groups(self) -> KVGroups:
         """Which layers share a block table (one group unless local and global layers mix)."""
         if not self.layer_windows:

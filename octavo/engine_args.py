@@ -20,7 +20,7 @@ from typing import Any
 from octavo.config import SchedulerConfig
 
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -74,8 +74,10 @@ class EngineArgs:
     # -- model ----------------------------------------------------------------------------
     model: str | None = _opt(
         None, "local HF Llama-family directory (default: the embedded SmolLM2-135M-Instruct)")
-    dtype: str = _opt("float32", "weights, activations and KV cache dtype",
-                      choices=SUPPORTED_DTYPES)
+    dtype: str = _opt(
+        "auto", "weights, activations and KV cache dtype; auto: the checkpoint's, with bf16 "
+        "only on CPUs that compute it natively (else float32; see model/dtype_policy.py)",
+        choices=SUPPORTED_DTYPES)
     device: str = _opt("cpu", "cpu, cuda or cuda:N", check=_device)
     seed: int = _opt(0, "seed of the global RNG (unseeded sampling)")
     max_model_len: int | None = _opt(
@@ -118,6 +120,10 @@ class EngineArgs:
         choices=("auto", "torch", "onednn"))
     fused_ops: str = _opt("auto", "auto, torch or cpu (compiled RMSNorm / RoPE / SiLU-and-mul)",
                           choices=("auto", "torch", "cpu"))
+    cpu_isa: str = _opt(
+        "auto", "instruction set of the compiled CPU kernels: auto (the CPU's best; "
+        "OCTAVO_CPU_ISA overrides), avx512, avx2 or portable",
+        choices=("auto", "avx512", "avx2", "portable"))
     logits_processors: tuple = _opt(
         (), "custom logits processors (octavo.model.logits_processor.LogitsProcessor "
         "subclasses, or their names as pkg.module:Class; comma-separated on the command line)")

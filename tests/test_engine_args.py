@@ -62,7 +62,7 @@ def test_every_field_is_documented():
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(block_size=7), "block_size: 7 is not one of 1, 8, 16, 32, 64, 128, 256"),
-    (dict(dtype="int3"), "dtype: 'int3' is not one of float32, bfloat16, float16"),
+    (dict(dtype="int3"), "dtype: 'int3' is not one of auto, float32, bfloat16, float16"),
     (dict(max_num_seqs=0), "max_num_seqs: must be >= 1, got 0"),
     (dict(max_num_batched_tokens="2048"), "max_num_batched_tokens: must be an int"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization: must be in (0, 1]"),

@@ -5,9 +5,14 @@
 - `rope_`: rotary embedding of q and k, in place in the fused qkv buffer.
 - `silu_and_mul`: SwiGLU's silu(gate) * up from the fused gate_up buffer.
 
-They are built with torch's C++ extension tooling into ``$OCTAVO_CACHE/torch_extensions`` (a
-minute the first time, instant later). Where they cannot be built (no compiler), octavo falls back
-to plain torch and says so once.
+They are built with torch's C++ extension tooling into ``$OCTAVO_CACHE/torch_extensions/<isa>``
+(a minute the first time, instant later), once per instruction set (cpu_isa.py): the AVX-512
+build carries hand-written AVX-512 decode code, the AVX2 build AVX2+FMA code, and the portable
+build only what the compiler vectorises for the baseline ISA; the fused ops are vectorised by the
+compiler for each. Which build runs is chosen at run time from the CPU's flags, never from
+`-march=native`, so a build cached on one machine never runs on a CPU that lacks its
+instructions. Where they cannot be built (no compiler), octavo falls back to plain torch and says
+so once.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import torch
 
+from octavo.model.cpu_isa import ISA_CFLAGS, select_isa
 from octavo.model.loader import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -29,10 +35,11 @@ CHOICES = ("auto", "torch", "cpu")
 
 
 def select_cpu_ops(setting: str, choice: str | None, device: torch.device,
-                   env_var: str) -> Any | None:
+                   env_var: str, isa: str | None = None) -> Any | None:
     """The compiled ops for an engine setting that chooses between them and plain torch, or
     None for torch. auto: the compiled ops on CPU when they build (`env_var` overrides auto);
-    torch: never; cpu: the compiled ops, or an error naming `setting`."""
+    torch: never; cpu: the compiled ops, or an error naming `setting`. `isa`: the cpu_isa
+    setting (auto: the CPU's best)."""
     choice = choice or "auto"
     if choice == "auto":
         choice = os.environ.get(env_var, "auto")
@@ -42,7 +49,7 @@ def select_cpu_ops(setting: str, choice: str | None, device: torch.device,
         return None
     if device.type != "cpu":
         raise ValueError(f"{setting}='cpu' runs on CPU only")
-    ops = load_cpu_ops()
+    ops = load_cpu_ops(select_isa(isa))
     if ops is None and choice == "cpu":
         raise RuntimeError(f"{setting}='cpu': octavo's compiled CPU ops could not be built on "
                            "this machine")
@@ -50,23 +57,32 @@ def select_cpu_ops(setting: str, choice: str | None, device: torch.device,
 
 
 @cache
-def load_cpu_ops() -> Any | None:
-    """The compiled module, or None when it cannot be built here."""
+def load_cpu_ops(isa: str | None = None) -> Any | None:
+    """The compiled module for `isa` (default: the CPU's best), or None when it cannot be
+    built here. Its `isa()` names the path it was compiled for."""
+    isa = select_isa(isa)
     try:
         from torch.utils.cpp_extension import load
 
-        build = cache_dir() / "torch_extensions"
+        root = cache_dir() / "torch_extensions"
+        build = root / isa
         build.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(build))
-        return load(
-            name="octavo_cpu_ops",
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root))
+        ops = load(
+            name=f"octavo_cpu_ops_{isa}",
             sources=[str(_CSRC / s) for s in SOURCES],
             extra_include_paths=[str(_CSRC)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-fopenmp", *ISA_CFLAGS[isa]],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - any build failure means "use plain torch"
-        logger.warning("octavo's CPU ops are unavailable (%s); using plain torch", e)
+        logger.warning("octavo's CPU ops (%s) are unavailable (%s); using plain torch", isa, e)
         return None
+    if ops.isa() != isa:  # the build's own macros disagree with the flags it was given
+        logger.warning("octavo's CPU ops built for %s report %s; using plain torch", isa,
+                       ops.isa())
+        return None
+    logger.info("octavo's CPU ops: the %s path", isa)
+    return ops

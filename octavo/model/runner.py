@@ -9,6 +9,7 @@ fit, `init_kv_cache(n)` allocates them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.attention import get_backend
 from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
+from octavo.model.cpu_isa import select_isa
 from octavo.model.cpu_ops import select_cpu_ops
+from octavo.model.dtype_policy import DTYPES, resolve_dtype
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
 from octavo.model.layers import RotaryEmbedding
@@ -31,7 +34,8 @@ from octavo.model.sampler import Sampler, compute_logprobs
 from octavo.model.sampling_metadata import SamplingMetadata
 from octavo.step_plan import RunnerOutput, StepPlan
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["DTYPES", "ModelRunner", "load_model"]
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -44,6 +48,7 @@ def resolve_device(device: str) -> torch.device:
 def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, linear_backend: str | None = None, fused_ops: str | None = None,
+    isa: str | None = None,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = model_class(config)(config, max_positions)
@@ -58,7 +63,7 @@ def load_model(
     model = model.to(dtype=dtype)
     model.rotary.to(torch.float32)  # tables stay fp32; cast per step like transformers
     pack_linears(model, linear_backend)
-    model.use_cpu_ops(select_cpu_ops("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS"))
+    model.use_cpu_ops(select_cpu_ops("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS", isa))
     return model.eval()
 
 
@@ -75,24 +80,32 @@ class ModelRunner:
         self.args = args
         self.config = config
         self.device = resolve_device(args.device)
-        self.dtype = DTYPES[args.dtype]
+        self.isa = select_isa(args.cpu_isa) if self.device.type == "cpu" else "none"
+        self.dtype_choice = resolve_dtype(args.dtype, config, self.device, self.isa)
+        self.dtype = self.dtype_choice.dtype
         self.block_size = args.block_size
         torch.manual_seed(args.seed)
         max_positions = args.max_model_len or config.max_position_embeddings
         self.model = load_model(model_dir, config, self.dtype, self.device, max_positions,
-                                args.linear_backend, args.fused_ops)
-        self.backend = get_backend(args.attention_backend, self.device)
+                                args.linear_backend, args.fused_ops, args.cpu_isa)
+        self.backend = get_backend(args.attention_backend, self.device, args.cpu_isa)
         self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
         self.kv_cache: KVCache | None = None
+        logger.info("kernels: %s (dtype: %s)", self.kernel_path(), self.dtype_choice.reason)
 
     def kernel_path(self) -> dict[str, str]:
-        """Which kernels this runner took (benchmarks record it next to the CPU's flags)."""
+        """Which kernels this runner took (benchmarks record it next to the CPU's flags):
+        the ISA of octavo's compiled ops (cpu_isa.py; "none" where none run), the dtype asked
+        for and the one computed in."""
         modules = list(self.model.modules())
         linear = "onednn" if any(isinstance(m, PackedLinear) for m in modules) else "torch"
         fused = "cpu" if any(getattr(m, "ops", None) is not None for m in modules) else "torch"
-        return {"device": str(self.device), "dtype": self.args.dtype,
+        compiled = fused == "cpu" or hasattr(self.backend, "kernel")
+        return {"device": str(self.device), "dtype": self.dtype_choice.name,
+                "dtype_requested": self.args.dtype,
+                "isa": self.isa if compiled else "none",
                 "attention": type(self.backend).__name__, "linear": linear, "fused_ops": fused}
 
     # ---- start-up -------------------------------------------------------------------------

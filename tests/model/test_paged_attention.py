@@ -10,6 +10,10 @@ import torch.nn.functional as F
 
 from octavo.model.attention import get_backend
 from octavo.model.attention.base import AttentionMetadata, PrefillChunk
+from octavo.model.cpu_isa import supported_isas
+
+# every build of the compiled kernel this CPU can run (avx512, avx2, portable: best first)
+ISAS = supported_isas()
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -25,9 +29,12 @@ def dense_reference(q, k, v, start_pos: int) -> torch.Tensor:
     return o.transpose(0, 1)
 
 
-@pytest.fixture(params=["torch", "cpu"])
+@pytest.fixture(params=["torch", *(f"cpu-{isa}" for isa in ISAS)])
 def backend(request):
-    return get_backend(request.param, torch.device("cpu"))
+    name, _, isa = request.param.partition("-")
+    b = get_backend(name, torch.device("cpu"), isa or None)
+    assert isa == "" or b.isa == isa
+    return b
 
 
 def run_case(backend, seqs: list[tuple[int, int]], block_size: int, seed: int) -> None:
@@ -108,8 +115,9 @@ def test_mixed_prefill_decode(backend, block_size):
     run_case(backend, [(40, 1), (0, 50), (7, 1), (16, 30), (0, 2), (99, 1)], block_size, seed=4)
 
 
-def test_decode_kernel_bfloat16_matches_reference():
-    kernel_backend = get_backend("cpu", torch.device("cpu"))
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_kernel_bfloat16_matches_reference(isa):
+    kernel_backend = get_backend("cpu", torch.device("cpu"), isa)
     gen = torch.Generator().manual_seed(5)
     k_cache = torch.randn(6, 16, KV_HEADS, DIM, generator=gen).bfloat16()
     v_cache = torch.randn(6, 16, KV_HEADS, DIM, generator=gen).bfloat16()
@@ -128,10 +136,12 @@ def test_decode_kernel_bfloat16_matches_reference():
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_head_dims_and_long_contexts(head_dim, block_size, dtype):
-    """The kernel's unrolled paths (head_dim 64 and 128, 16 keys at a time) and its generic
-    path, over contexts that end mid-chunk, with peaked scores that make the running max move."""
-    kernel_backend = get_backend("cpu", torch.device("cpu"))
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_kernel_head_dims_and_long_contexts(head_dim, block_size, dtype, isa):
+    """The kernel's unrolled paths (head_dim 64 and 128, 16 or 8 keys at a time) and its
+    generic path, over contexts that end mid-chunk, with peaked scores that make the running
+    max move, on every ISA build this CPU runs."""
+    kernel_backend = get_backend("cpu", torch.device("cpu"), isa)
     gen = torch.Generator().manual_seed(head_dim + block_size)
     heads, kv_heads = 9, 3
     lens = [1, 15, 16, 17, 100, 333]
@@ -174,3 +184,41 @@ def test_bf16_eager_prefill_matches_fp32_reference(length):
     torch.testing.assert_close(eager_causal(q, k, v, 0.125), ref, atol=1e-5, rtol=1e-5)
     got = eager_causal(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125).float()
     torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("window, softcap, trimmed",
+                         [(5, None, False), (37, None, True), (None, 20.0, False),
+                          (12, 3.0, True)])
+def test_decode_kernel_window_and_softcap(isa, head_dim, window, softcap, trimmed):
+    """Sliding-window decode (table from the window's first block, decode_first_pos) and soft
+    caps in the kernel equal torch's masked path, on every ISA build."""
+    from octavo.model.attention.torch_backend import TorchAttentionBackend
+
+    kernel_backend = get_backend("cpu", torch.device("cpu"), isa)
+    gen = torch.Generator().manual_seed(head_dim + (window or 0))
+    heads, kv_heads, block_size = 6, 2, 8
+    lens = [1, 7, 8, 9, 40, 101]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, first = [], []
+    for n in lens:
+        nb = -(-n // block_size)
+        table, perm = perm[:nb], perm[nb:]
+        # a trimmed table starts at the block of the window's first key
+        lo = max(0, n - window) // block_size if trimmed and window else 0
+        tables.append(table[lo:])
+        first.append(lo * block_size)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        torch.zeros(0, dtype=torch.long), len(lens),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), [],
+        decode_first_pos=torch.tensor(first) if trimmed else None)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen) * 3
+    scale = head_dim**-0.5
+    got = kernel_backend._decode(q, k_cache, v_cache, meta, scale, window, softcap)
+    want = TorchAttentionBackend._decode(q, k_cache, v_cache, meta, scale, window, softcap)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -10,12 +10,14 @@ from octavo.model.attention.torch_backend import TorchAttentionBackend
 from octavo.model.cpu_ops import select_cpu_ops
 
 
-def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """`auto` picks the compiled CPU kernel on CPU when it builds, else plain torch.
+def get_backend(name: str | None, device: torch.device,
+                isa: str | None = None) -> AttentionBackend:
+    """`auto` picks the compiled CPU kernel on CPU when it builds, else plain torch; `isa`
+    chooses its build (cpu_isa.py; auto: the CPU's best).
 
     The environment variable OCTAVO_ATTENTION_BACKEND overrides `auto`.
     """
-    ops = select_cpu_ops("attention_backend", name, device, "OCTAVO_ATTENTION_BACKEND")
+    ops = select_cpu_ops("attention_backend", name, device, "OCTAVO_ATTENTION_BACKEND", isa)
     if ops is None:
         return TorchAttentionBackend()
     return CpuPagedAttentionBackend(ops)

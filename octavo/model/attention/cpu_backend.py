@@ -2,13 +2,11 @@
 
 Decode attention on CPU is bound by reading K/V; the torch backend first gathers every block
 into a padded copy and then reads it again (and SDPA expands GQA heads), while the kernel reads
-each K/V row once, in place. Sliding-window and soft-capped layers (Gemma) decode through the
-torch path.
+each K/V row once, in place. Sliding-window layers (their tables start at the window's first
+block, `decode_first_pos`) and soft-capped layers (Gemma 2) decode through the kernel too.
 """
 
 from __future__ import annotations
-
-import torch
 
 from octavo.model.attention.base import AttentionMetadata
 from octavo.model.attention.torch_backend import TorchAttentionBackend
@@ -20,12 +18,13 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     def __init__(self, kernel) -> None:
         self.kernel = kernel
 
+    @property
+    def isa(self) -> str:
+        return self.kernel.isa()
+
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if window is not None or softcap is not None:  # the kernel has neither: torch's path
-            return TorchAttentionBackend._decode(q, k_cache, v_cache, meta, scale, window,
-                                                 softcap)
+                window: int | None = None, softcap: float | None = None):
         return self.kernel.paged_decode(
             q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-            scale,
+            scale, meta.decode_first_pos, window or 0, softcap or 0.0,
         )

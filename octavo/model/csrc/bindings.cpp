@@ -3,7 +3,11 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged attention, single-token decode (CPU)");
+  m.def("paged_decode", &paged_decode, "paged attention, single-token decode (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("first_pos") = py::none(),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("isa", &compiled_isa, "the instruction set this build's kernels use");
   m.def("rms_norm", &rms_norm, "RMSNorm in transformers' op order");
   m.def("add_rms_norm_", &add_rms_norm_,
         "residual += x (in place), then RMSNorm(residual)");

@@ -66,11 +66,21 @@ inline __m512 sum_lanes16(__m512 v[16]) {
                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// One sequence. q: [num_heads, HD] already scaled, fp32. State per query head in m, l, acc.
+// cap * tanh(s / cap) on the first n lanes (scalar tanh: Gemma 2's soft-capped layers only).
+inline __m512 softcap16(__m512 s, int n, float cap) {
+  alignas(64) float buf[16];
+  _mm512_store_ps(buf, s);
+  for (int t = 0; t < n; ++t) buf[t] = cap * std::tanh(buf[t] / cap);
+  return _mm512_load_ps(buf);
+}
+
+// One sequence: keys at table slots lo..len-1. q: [num_heads, HD] already scaled, fp32. State
+// per query head in m, l, acc. softcap 0: none.
 template <typename T, int HD>
 void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                       int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                       float* m, float* l, float* acc, T* out) {
+                       int64_t lo, int64_t len, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t block_size, float softcap, float* m, float* l, float* acc,
+                       T* out) {
   constexpr int C = HD / 16;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * HD;
@@ -81,6 +91,7 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
   for (int64_t i = 0; i < num_heads * HD; ++i) acc[i] = 0.f;
   alignas(64) float p_buf[16];
   const int64_t nblocks = (len + block_size - 1) / block_size;
+  const int64_t j0 = lo / block_size;
   // Keep kPrefetchBlocks blocks in flight ahead of the one being read.
   auto prefetch = [&](int64_t jj) {
     const char* nk = reinterpret_cast<const char*>(k_cache + table[jj] * block_elems);
@@ -90,11 +101,12 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
       _mm_prefetch(nv + off, _MM_HINT_T0);
     }
   };
-  for (int64_t jj = 1; jj < std::min<int64_t>(nblocks, kPrefetchBlocks); ++jj) prefetch(jj);
-  for (int64_t j = 0; j < nblocks; ++j) {
+  for (int64_t jj = j0 + 1; jj < std::min<int64_t>(nblocks, j0 + kPrefetchBlocks); ++jj)
+    prefetch(jj);
+  for (int64_t j = j0; j < nblocks; ++j) {
     if (j + kPrefetchBlocks < nblocks) prefetch(j + kPrefetchBlocks);
     const int64_t block_len = std::min(block_size, len - j * block_size);
-    for (int64_t t0 = 0; t0 < block_len; t0 += 16) {
+    for (int64_t t0 = j == j0 ? lo % block_size : 0; t0 < block_len; t0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, block_len - t0));
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
       const T* kb = k_cache + table[j] * block_elems + t0 * row;
@@ -116,8 +128,9 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
               part[t] = _mm512_setzero_ps();
             }
           }
-          const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid,
-                                                   sum_lanes16(part));
+          __m512 dots = sum_lanes16(part);
+          if (softcap > 0.f) dots = softcap16(dots, n, softcap);
+          const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, dots);
           const float block_max = _mm512_reduce_max_ps(scores);
           float* a = acc + head * HD;
           if (block_max > m[head]) {

@@ -3,8 +3,15 @@
 
 #include <torch/extension.h>
 
+#include <string>
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                           c10::optional<torch::Tensor> first_pos, int64_t window,
+                           double softcap);
+
+// the decode path this build carries: "avx512", "avx2" or "portable"
+std::string compiled_isa();
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 

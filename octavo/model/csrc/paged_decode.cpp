@@ -8,11 +8,19 @@
 // rescaled only when a block raises the max. The query heads of a GQA group share every K/V row
 // they read. exp() is a vectorisable polynomial (about 1 ulp). Everything accumulates in fp32
 // in a fixed order, so results do not depend on batch composition or thread count.
+//
+// Sliding-window layers: a sequence's table may start at its window's first block (first_pos
+// gives the position of the table's first slot), and only keys at positions >= len - window are
+// seen. Soft-capped layers (Gemma 2): each score s becomes cap * tanh(s / cap) before the softmax.
+//
+// Three builds of this file exist (cpu_ops.py): with AVX-512 (decode_avx512.h, 16 keys at a
+// time), with AVX2 + FMA (decode_avx2.h, 8 keys at a time) and portable (the loops below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "ops.h"
 #include "vec_math.h"
+#include "decode_avx2.h"
 #include "decode_avx512.h"
 
 #include <cmath>
@@ -34,11 +42,13 @@ inline void prefetch_block(const void* p, int64_t bytes) {
 }
 
 // HD: head_dim fixed at compile time (fully unrolled loops), or 0 for any head_dim.
+// first_pos: null, or per sequence the position of its table's first slot.
 template <typename T, int64_t HD>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                   const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim_arg, int64_t block_size,
-                   int64_t table_width, float scale) {
+                   const int64_t* context_lens, const int64_t* first_pos, T* out,
+                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim_arg, int64_t block_size, int64_t table_width, float scale,
+                   int64_t window, float softcap) {
   const int64_t head_dim = HD ? HD : head_dim_arg;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim;  // elements between slots in the cache
@@ -50,15 +60,22 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
     std::vector<float> mx(num_heads), sum(num_heads), scores(num_heads * block_size);
     std::vector<float> kbuf(head_dim), vbuf(head_dim);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = context_lens[b];
+      // keys are read from table slot lo to len (both relative to the table's first slot)
+      const int64_t fp = first_pos ? first_pos[b] : 0;
+      const int64_t len = context_lens[b] - fp;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t* table = block_tables + b * table_width;
       const T* qb = q + b * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
-#ifdef OCTAVO_HAVE_AVX512_DECODE
+#if defined(OCTAVO_HAVE_AVX512_DECODE) || defined(OCTAVO_HAVE_AVX2_DECODE)
       if constexpr (HD != 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
-        octavo::decode_seq_avx512<T, HD>(qf.data(), k_cache, v_cache, table, len, num_heads,
-                                         num_kv_heads, block_size, mx.data(), sum.data(),
-                                         acc.data(), out + b * num_heads * head_dim);
+#ifdef OCTAVO_HAVE_AVX512_DECODE
+        octavo::decode_seq_avx512<T, HD>(
+#else
+        octavo::decode_seq_avx2<T, HD>(
+#endif
+            qf.data(), k_cache, v_cache, table, lo, len, num_heads, num_kv_heads, block_size,
+            softcap, mx.data(), sum.data(), acc.data(), out + b * num_heads * head_dim);
         continue;
       }
 #endif
@@ -66,16 +83,17 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
       const int64_t nblocks = (len + block_size - 1) / block_size;
-      for (int64_t j = 0; j < nblocks; ++j) {
+      for (int64_t j = lo / block_size; j < nblocks; ++j) {
         const T* kb = k_cache + table[j] * block_elems;
         const T* vb = v_cache + table[j] * block_elems;
         if (j + 1 < nblocks) {
           prefetch_block(k_cache + table[j + 1] * block_elems, block_bytes);
           prefetch_block(v_cache + table[j + 1] * block_elems, block_bytes);
         }
+        const int64_t t_lo = j == lo / block_size ? lo % block_size : 0;
         const int64_t n = std::min(block_size, len - j * block_size);
         // scores[head][t] = q_head . k_t
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = t_lo; t < n; ++t) {
           for (int64_t h = 0; h < num_kv_heads; ++h) {
             const float* kr = as_float(kb + t * row + h * head_dim, kbuf.data(), head_dim);
             for (int64_t g = 0; g < group; ++g) {
@@ -84,7 +102,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
               float s = 0.f;
 #pragma omp simd reduction(+ : s)
               for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * kr[d];
-              scores[head * block_size + t] = s;
+              scores[head * block_size + t] = softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
             }
           }
         }
@@ -92,7 +110,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         for (int64_t head = 0; head < num_heads; ++head) {
           float* sh = scores.data() + head * block_size;
           float m = mx[head];
-          for (int64_t t = 0; t < n; ++t) m = sh[t] > m ? sh[t] : m;
+          for (int64_t t = t_lo; t < n; ++t) m = sh[t] > m ? sh[t] : m;
           if (m > mx[head]) {
             const float f = exp_approx(mx[head] - m);  // 0 on the first block (-inf)
             float* ah = acc.data() + head * head_dim;
@@ -103,14 +121,14 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           }
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t t = 0; t < n; ++t) {
+          for (int64_t t = t_lo; t < n; ++t) {
             sh[t] = exp_approx(sh[t] - m);
             s += sh[t];
           }
           sum[head] += s;
         }
         // acc[head] += p[head][t] * v_t
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = t_lo; t < n; ++t) {
           for (int64_t h = 0; h < num_kv_heads; ++h) {
             const float* vr = as_float(vb + t * row + h * head_dim, vbuf.data(), head_dim);
             for (int64_t g = 0; g < group; ++g) {
@@ -136,7 +154,9 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                           c10::optional<torch::Tensor> first_pos, int64_t window,
+                           double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B,H,D], cache [NB,BS,KVH,D] expected");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "contiguous tensors expected");
@@ -151,14 +171,31 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(k_cache.size(3) == D, "cache head_dim differs from q's");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B,
               "one block table and one context length per sequence expected");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  torch::Tensor fp;
+  if (first_pos.has_value()) {
+    fp = first_pos->to(torch::kInt64).contiguous();
+    TORCH_CHECK(fp.dim() == 1 && fp.size(0) == B, "one first position per sequence expected");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto kernel = D == 64 ? decode_kernel<scalar_t, 64>
                   : D == 128 ? decode_kernel<scalar_t, 128>
                              : decode_kernel<scalar_t, 0>;
     kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-           out.data_ptr<scalar_t>(), B, H, KVH, D, BS, block_tables.size(1),
-           static_cast<float>(scale));
+           fp.defined() ? fp.data_ptr<int64_t>() : nullptr, out.data_ptr<scalar_t>(), B, H, KVH,
+           D, BS, block_tables.size(1), static_cast<float>(scale), window,
+           static_cast<float>(softcap));
   });
   return out;
+}
+
+std::string compiled_isa() {
+#if defined(OCTAVO_HAVE_AVX512_DECODE)
+  return "avx512";
+#elif defined(OCTAVO_HAVE_AVX2_DECODE)
+  return "avx2";
+#else
+  return "portable";
+#endif
 }

@@ -1,0 +1,160 @@
+// The AVX2 + FMA path of paged_decode.cpp, for CPUs without AVX-512 (built with -mavx2 -mfma
+// -mf16c; cpu_ops.py). The same algorithm as decode_avx512.h with 8 keys at a time: for each
+// query head, the 8 dot products of a chunk are 8 vectors of partial sums folded into one
+// vector of 8 scores by a horizontal-add tree, exp() runs on 8 lanes, and the V rows accumulate
+// into fp32 registers. K/V rows are read and widened to fp32 straight from the cache blocks.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace octavo {
+
+constexpr int64_t kPrefetchBlocks2 = 2;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// exp for 8 lanes, the same polynomial as exp_approx (vec_math.h); lanes below -87.3 give 0.
+// Inputs are <= 0 here (scores minus their running max).
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// v[t] (8 vectors) -> one vector whose lane t is the sum of v[t]'s 8 lanes.
+inline __m256 sum_lanes8(const __m256 v[8]) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  // b0 = [v0..v3 low halves | v0..v3 high halves], b1 the same for v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+// One sequence: keys at table slots lo..len-1. q: [num_heads, HD] already scaled, fp32. State
+// per query head in m, l, acc. softcap 0: none.
+template <typename T, int HD>
+void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                     int64_t lo, int64_t len, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t block_size, float softcap, float* m, float* l, float* acc, T* out) {
+  constexpr int C = HD / 8;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row = num_kv_heads * HD;
+  const int64_t block_elems = block_size * row;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t h = 0; h < num_heads; ++h) m[h] = neg_inf, l[h] = 0.f;
+  for (int64_t i = 0; i < num_heads * HD; ++i) acc[i] = 0.f;
+  alignas(32) float buf[8];
+  const int64_t nblocks = (len + block_size - 1) / block_size;
+  const int64_t j0 = lo / block_size;
+  auto prefetch = [&](int64_t jj) {
+    const char* nk = reinterpret_cast<const char*>(k_cache + table[jj] * block_elems);
+    const char* nv = reinterpret_cast<const char*>(v_cache + table[jj] * block_elems);
+    for (int64_t off = 0; off < block_bytes; off += 64) {
+      _mm_prefetch(nk + off, _MM_HINT_T0);
+      _mm_prefetch(nv + off, _MM_HINT_T0);
+    }
+  };
+  for (int64_t jj = j0 + 1; jj < std::min<int64_t>(nblocks, j0 + kPrefetchBlocks2); ++jj)
+    prefetch(jj);
+  for (int64_t j = j0; j < nblocks; ++j) {
+    if (j + kPrefetchBlocks2 < nblocks) prefetch(j + kPrefetchBlocks2);
+    const int64_t block_len = std::min(block_size, len - j * block_size);
+    for (int64_t t0 = j == j0 ? lo % block_size : 0; t0 < block_len; t0 += 8) {
+      const int n = static_cast<int>(std::min<int64_t>(8, block_len - t0));
+      const T* kb = k_cache + table[j] * block_elems + t0 * row;
+      const T* vb = v_cache + table[j] * block_elems + t0 * row;
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        const T* kh = kb + kvh * HD;
+        const T* vh = vb + kvh * HD;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = kvh * group + g;
+          const float* qh = q + head * HD;
+          __m256 part[8];
+          for (int t = 0; t < 8; ++t) {
+            if (t < n) {
+              __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kh + t * row));
+              for (int c = 1; c < C; ++c)
+                s = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), load8(kh + t * row + 8 * c), s);
+              part[t] = s;
+            } else {
+              part[t] = _mm256_setzero_ps();
+            }
+          }
+          _mm256_store_ps(buf, sum_lanes8(part));
+          for (int t = 0; t < 8; ++t)
+            buf[t] = t >= n ? neg_inf : (softcap > 0.f ? softcap * std::tanh(buf[t] / softcap)
+                                                       : buf[t]);
+          const __m256 scores = _mm256_load_ps(buf);
+          const float block_max = reduce_max8(scores);
+          float* a = acc + head * HD;
+          if (block_max > m[head]) {
+            const float f = m[head] == neg_inf ? 0.f : std::exp(m[head] - block_max);
+            for (int i = 0; i < HD; ++i) a[i] *= f;
+            l[head] *= f;
+            m[head] = block_max;
+          }
+          const __m256 p = exp8(_mm256_sub_ps(scores, _mm256_set1_ps(m[head])));
+          l[head] += reduce_add8(p);
+          _mm256_store_ps(buf, p);
+          __m256 av[C];
+          for (int c = 0; c < C; ++c) av[c] = _mm256_loadu_ps(a + 8 * c);
+          for (int t = 0; t < n; ++t) {
+            const __m256 pt = _mm256_set1_ps(buf[t]);
+            for (int c = 0; c < C; ++c)
+              av[c] = _mm256_fmadd_ps(pt, load8(vh + t * row + 8 * c), av[c]);
+          }
+          for (int c = 0; c < C; ++c) _mm256_storeu_ps(a + 8 * c, av[c]);
+        }
+      }
+    }
+  }
+  for (int64_t head = 0; head < num_heads; ++head) {
+    const float inv = 1.f / l[head];
+    for (int i = 0; i < HD; ++i) store(out + head * HD + i, acc[head * HD + i] * inv);
+  }
+}
+
+}  // namespace octavo
+
+#define OCTAVO_HAVE_AVX2_DECODE 1
+#endif  // __AVX2__ && __FMA__ && !__AVX512F__
