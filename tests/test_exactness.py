@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
+from octavo.model.cpu_isa import supported_isas
 from octavo.model.runner import ModelRunner
 from octavo.step_plan import StepPlan
 from tests.engine.conftest import hf_greedy
@@ -69,6 +70,18 @@ def test_greedy_matches_transformers(default_model_dir, prompts, hf_tokens, bloc
     for i in range(0, len(prompts), 4 if block_size != 16 else 1):  # one by one
         out = llm.generate({"prompt_token_ids": prompts[i]}, GREEDY, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == hf_tokens[i], f"alone prompt {i} ({len(prompts[i])})"
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("isa", supported_isas()[1:])
+def test_greedy_matches_transformers_on_lower_isas(default_model_dir, prompts, hf_tokens, isa):
+    """The AVX2 and portable builds of the compiled ops (forced on a CPU that has a better one)
+    give transformers' greedy tokens too; the run reports the path it took."""
+    llm = LLM(block_size=16, kv_cache_memory_bytes=1 << 30, cpu_isa=isa)
+    assert llm.engine.runner.kernel_path()["isa"] == isa
+    assert llm.engine.runner.backend.isa == isa
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == hf_tokens
     assert llm.stats()["kv_blocks_used"] == 0
 
 

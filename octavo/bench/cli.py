@@ -43,17 +43,19 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (median reported)")
     p.add_argument("--model", default=None,
                    help="HF Llama directory (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], default=None,
-                   help="repeatable; default float32 (throughput full runs: both)")
+    p.add_argument("--dtype", action="append", choices=["auto", "float32", "bfloat16"],
+                   default=None, help="repeatable; default float32 (throughput full runs: "
+                   "float32, bfloat16 and auto)")
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--workload", action="append", default=None,
                    help="repeatable; run only these of the benchmark's workloads (throughput: "
                    "mixed, sharegpt)")
     p.add_argument("--replot", action="store_true",
                    help="only redraw OUT/NAME.png from OUT/NAME.json (no benchmark runs)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch / OpenMP threads for every engine (default 1: on a shared "
-                   "machine OpenMP's spinning barriers make 2 threads many times slower)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch / OpenMP threads for every engine (default: all cores, as a "
+                   "user runs it; on a shared machine OpenMP's spinning barriers can make that "
+                   "slower than 1)")
     p.add_argument("--peer", action="append", choices=["vllm"], default=[],
                    help="also measure this peer engine (throughput)")
     p.add_argument("--peer-python", default=None,
@@ -67,7 +69,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def options(args: argparse.Namespace, argv: list[str]) -> BenchOptions:
     command = "octavo bench " + shlex.join(argv)
-    dtypes = args.dtype or (["float32", "bfloat16"] if args.name == "throughput"
+    dtypes = args.dtype or (["float32", "bfloat16", "auto"] if args.name == "throughput"
                             and not args.quick else ["float32"])
     return BenchOptions(quick=args.quick, out=Path(args.out), seed=args.seed,
                         repeats=args.repeats, model=args.model, dtypes=dtypes,
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         argv = list(sys.argv[2:])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if args.threads is None:
+        args.threads = os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for the server / peer subprocesses
     import torch
 

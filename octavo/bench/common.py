@@ -25,6 +25,8 @@ matplotlib.use("Agg")  # headless: benchmarks run in CI and over ssh
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from octavo.model.cpu_isa import supported_isas  # noqa: E402
+
 PlotFn = Callable[[Any, Figure], None]
 
 
@@ -60,6 +62,7 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu": cpu_model(),
         "cpu_flags": cpu_flags(),
+        "cpu_isas": supported_isas(),  # octavo's CPU kernel builds this CPU runs, best first
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -78,7 +81,8 @@ def machine_info() -> dict[str, Any]:
 
 def machine_tag(info: dict[str, Any]) -> str:
     torch_v = info.get("torch") or "n/a"
-    return f"{info['cpu']}, {info['cores']} cores, torch {torch_v}"
+    flags = " ".join(info.get("cpu_flags") or []) or "no SIMD flags found"
+    return f"{info['cpu']} ({flags}), {info['cores']} cores, torch {torch_v}"
 
 
 def median(xs: Sequence[float]) -> float:

@@ -17,6 +17,24 @@ from octavo.llm import LLM
 from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 
+def effective_dtype(model: str | None, dtype: str,
+                    overrides: dict[str, Any] | None = None) -> str:
+    """The dtype octavo computes in when asked for `dtype` (auto, or a 16-bit dtype on a CPU
+    without native bf16: model/dtype_policy.py), on the device and ISA the overrides choose."""
+    import torch
+
+    from octavo.config import ModelConfig
+    from octavo.model.cpu_isa import select_isa
+    from octavo.model.dtype_policy import resolve_dtype
+    from octavo.model.loader import resolve_model_dir
+
+    overrides = overrides or {}
+    device = torch.device(overrides.get("device") or "cpu")
+    isa = select_isa(overrides.get("cpu_isa")) if device.type == "cpu" else "none"
+    cfg = ModelConfig.from_dir(resolve_model_dir(model))
+    return resolve_dtype(dtype, cfg, device, isa).name
+
+
 def make_llm(model: str | None, *, dtype: str = "float32", allocator: str = "paged",
              block_size: int = 16, overrides: dict[str, Any] | None = None,
              **kwargs: Any) -> LLM:

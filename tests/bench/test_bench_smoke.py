@@ -65,7 +65,7 @@ def test_cli_has_bench_subcommand() -> None:
 
 
 def test_waste_quick(tmp_path: Path) -> None:
-    assert bench_main(["waste", "--quick", "--out", str(tmp_path)]) == 0
+    assert bench_main(["waste", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
     rows = _files(tmp_path, "waste")["results"]
     paged16 = [r for r in rows if r["allocator"] == "paged" and r["block_size"] == 16]
     assert paged16 and all(1 - r["waste_of_used"]["live"]["mean"] < 0.04 for r in paged16)
@@ -74,7 +74,7 @@ def test_waste_quick(tmp_path: Path) -> None:
 
 
 def test_concurrency_quick(tmp_path: Path) -> None:
-    assert bench_main(["concurrency", "--quick", "--out", str(tmp_path)]) == 0
+    assert bench_main(["concurrency", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
     assert _files(tmp_path, "concurrency")["results"]["paged_vs_contiguous_max"] >= 4
 
 
@@ -96,9 +96,16 @@ def test_model_benchmarks_quick_on_tiny_model(name: str, tiny_llama_dir: Path,
 
 
 def test_throughput_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    argv = ["throughput", "--quick", "--model", str(tiny_llama_dir), "--out", str(tmp_path)]
+    argv = ["throughput", "--quick", "--threads", "1", "--dtype", "auto", "--model",
+            str(tiny_llama_dir), "--out", str(tmp_path)]
     assert bench_main(argv) == 0
-    rows = _files(tmp_path, "throughput")["results"]["engines"]
+    result = _files(tmp_path, "throughput")
+    # the tiny model is an fp32 checkpoint: auto computes in fp32, and the label says so
+    path = result["config"]["kernel_path"]["auto (float32)"]
+    assert path["dtype"] == "float32" and path["dtype_requested"] == "auto"
+    assert path["isa"] in ("avx512", "avx2", "portable")
+    rows = result["results"]["engines"]
+    assert {r["dtype"] for r in rows} == {"auto (float32)"}
     engines = {r["engine"] for r in rows}
     assert {"octavo-paged", "octavo-contiguous", "hf-generate", "GEMM floor"} <= engines
     for r in rows:

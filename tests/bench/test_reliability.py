@@ -10,7 +10,7 @@ from octavo.bench.cli import main as bench_main
 
 
 def test_reliability_quick(tiny_llama_dir, tmp_path):
-    assert bench_main(["reliability", "--quick", "--model", str(tiny_llama_dir),
+    assert bench_main(["reliability", "--quick", "--threads", "1", "--model", str(tiny_llama_dir),
                        "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "reliability.json").read_text())["results"]
     names = {r["scenario"].split(" ")[0] for r in rows}
