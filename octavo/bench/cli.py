@@ -31,6 +31,7 @@ BENCHMARKS = {
     "paging": "octavo.bench.paging_overhead",
     "reliability": "octavo.bench.reliability",
     "structured": "octavo.bench.structured",
+    "cpu": "octavo.bench.cpu_paths",
 }
 
 

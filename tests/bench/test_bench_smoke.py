@@ -128,3 +128,25 @@ def test_gemm_floor_counts_every_weight_once_per_token() -> None:
     f = workload_flops(cfg, wl)
     assert f["prefill_flops"] == 3 * per_token and f["decode_flops"] == 3 * per_token
     assert f["lm_head_flops"] == 4 * 2 * 8 * 100
+
+
+def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from octavo.model.cpu_isa import supported_isas
+
+    argv = ["cpu", "--quick", "--threads", "1", "--num-requests", "4", "--model",
+            str(tiny_llama_dir), "--out", str(tmp_path)]
+    assert bench_main(argv) == 0
+    result = _files(tmp_path, "cpu")
+    isas = supported_isas()
+    assert result["machine"]["cpu_isas"] == isas
+    res = result["results"]
+    assert {r["path"] for r in res["decode_attention"]} == {
+        "torch (gather + SDPA)", *(f"kernel {i}" for i in isas)}
+    assert [r["isa"] for r in res["single_stream"]] == isas
+    for r in res["single_stream"]:
+        assert r["kernel_path"]["isa"] == r["isa"]
+        assert 0 < r["forward_ms"] < r["step_ms"]
+    for r in res["mixed"]:
+        if r["dtype"] == "bfloat16" and r["isa"] != "avx512":
+            assert r["computes_in"] == "float32"  # no native bf16 on the forced-down paths
+        assert r["output_tok_s"] > 0

@@ -1,0 +1,206 @@
+"""Every CPU kernel path on this machine: the same work through each ISA build (cpu_isa.py).
+
+The machines this project runs on change (AVX-512 with native bf16 one day, AVX2 only the
+next), so this benchmark runs octavo on each build this CPU can run, forcing the lower ones
+(`cpu_isa=avx2`, `portable`) on a better CPU:
+
+1. **decode attention**: the compiled paged-decode kernel of each build against torch's gather +
+   SDPA, batch 32 x 512 tokens of context, the model's head shape, fp32 and bf16;
+2. **single stream** (llama-bench's pp/tg shape: a 256-token prompt, 128 new tokens, greedy):
+   prefill and generation tok/s, and a decode step split into the model's forward and the
+   engine's own overhead (scheduling, batch preparation, sampling, output processing);
+3. **offline `mixed`**: output tok/s of the paged engine for each build, in fp32, `auto`, and
+   bf16 asked for; on a path without native bf16 (`avx2`, `portable`) bf16 computes in fp32
+   (model/dtype_policy.py), so that row shows what an AVX2 machine's user gets.
+
+oneDNN (the linears) and torch's own kernels pick their ISA themselves from the CPU; forcing
+octavo's path does not change theirs, so the lower rows measure octavo's kernels and the dtype
+policy, not a whole AVX2 machine.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+from matplotlib.figure import Figure
+
+from octavo.bench import workloads
+from octavo.bench.common import BenchResult, PlotFn, md_table, median
+from octavo.bench.engine_run import effective_dtype, make_llm, run_workload
+from octavo.bench.options import BenchOptions
+from octavo.config import ModelConfig
+from octavo.model.attention import get_backend
+from octavo.model.attention.base import AttentionMetadata
+from octavo.model.cpu_isa import supported_isas
+from octavo.model.loader import resolve_model_dir
+
+DECODE_BATCH, DECODE_CTX, BLOCK = 32, 512, 16
+
+
+def decode_attention_rows(cfg: ModelConfig, repeats: int, ctx: int) -> list[dict]:
+    heads, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    nb = -(-ctx // BLOCK)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        k = torch.randn(DECODE_BATCH * nb + 1, BLOCK, kvh, hd, generator=gen).to(dtype)
+        v = torch.randn_like(k)
+        q = torch.randn(DECODE_BATCH, heads, hd, generator=gen).to(dtype)
+        tables = torch.randperm(DECODE_BATCH * nb, generator=gen).view(DECODE_BATCH, nb)
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), DECODE_BATCH, tables,
+                                 torch.full((DECODE_BATCH,), ctx), [])
+        paths = [("torch", None), *(("cpu", isa) for isa in supported_isas())]
+        for name, isa in paths:
+            backend = get_backend(name, torch.device("cpu"), isa)
+            with torch.inference_mode():
+                backend._decode(q, k, v, meta, hd**-0.5)  # warm
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    for _ in range(10):
+                        backend._decode(q, k, v, meta, hd**-0.5)
+                    times.append((time.perf_counter() - t) / 10)
+            rows.append({"dtype": str(dtype).removeprefix("torch."),
+                         "path": "torch (gather + SDPA)" if isa is None else f"kernel {isa}",
+                         "ms": 1e3 * median(times)})
+    for r in rows:
+        base = next(x for x in rows if x["dtype"] == r["dtype"] and x["path"].startswith("torch"))
+        r["x_torch"] = base["ms"] / r["ms"]
+    return rows
+
+
+def timed_forward(llm) -> list[float]:
+    """Wrap the model's forward to add up its time (the rest of a step is engine overhead)."""
+    model = llm.engine.runner.model
+    total = [0.0]
+    inner = model.forward
+
+    def forward(*args: Any, **kwargs: Any):
+        t = time.perf_counter()
+        out = inner(*args, **kwargs)
+        total[0] += time.perf_counter() - t
+        return out
+
+    model.forward = forward
+    return total
+
+
+def single_stream_rows(opts: BenchOptions, isas: list[str], repeats: int) -> list[dict]:
+    vocab = 256 if opts.model else workloads.SMOLLM2_VOCAB
+    prompt_len, new = (100, 64) if opts.model else (256, opts.pick(32, 128))
+    rows = []
+    for isa in isas:
+        llm = make_llm(opts.model, overrides={**opts.engine_overrides, "cpu_isa": isa},
+                       dtype="float32", max_model_len=512 if opts.model else 2048)
+        forward_s = timed_forward(llm)
+        prefill, decode, fwd, steps = [], [], [], []
+        for rep in range(repeats + 1):  # the first is a warm-up
+            rng = random.Random(opts.seed + rep)
+            gen = tuple(rng.randrange(vocab) for _ in range(prompt_len))
+            one = workloads.Workload("pp", (workloads.BenchRequest(gen, 1),), 2048)
+            r1 = run_workload(llm, one, tag=f"p{rep}-")
+            full = workloads.Workload("tg", (workloads.BenchRequest(gen, new),), 2048)
+            forward_s[0] = 0.0
+            r = run_workload(llm, full, tag=f"t{rep}-")
+            if rep == 0:
+                continue
+            # decode = the whole run minus its prefill (measured alone just before)
+            decode_s = r.elapsed_s - r1.elapsed_s
+            prefill.append(prompt_len / r1.elapsed_s)
+            decode.append((new - 1) / decode_s)
+            fwd.append(forward_s[0] / r.steps)
+            steps.append(r.step_s / r.steps)
+        step_ms, fwd_ms = 1e3 * median(steps), 1e3 * median(fwd)
+        rows.append({"isa": isa, "prompt": prompt_len, "new_tokens": new,
+                     "prefill_tok_s": median(prefill), "decode_tok_s": median(decode),
+                     "step_ms": step_ms, "forward_ms": fwd_ms, "overhead_ms": step_ms - fwd_ms,
+                     "kernel_path": llm.engine.runner.kernel_path()})
+    return rows
+
+
+def mixed_rows(opts: BenchOptions, isas: list[str], repeats: int) -> list[dict]:
+    vocab = 256 if opts.model else workloads.SMOLLM2_VOCAB
+    wl = workloads.mixed(opts.num_requests or opts.pick(8, 32), output_len=opts.pick(16, 64),
+                         max_prompt=120 if opts.model else opts.pick(128, 512), vocab=vocab,
+                         seed=opts.seed)
+    rows = []
+    for isa in isas:
+        overrides = {**opts.engine_overrides, "cpu_isa": isa}
+        for dtype in ("float32", "auto", "bfloat16"):
+            llm = make_llm(opts.model, overrides=overrides, dtype=dtype,
+                           max_model_len=512 if opts.model else 2048)
+            run_workload(llm, workloads.Workload("warm", wl.requests[:2], 2048).capped(2),
+                         tag="w")
+            times = [run_workload(llm, wl, tag=f"r{i}-").elapsed_s for i in range(repeats)]
+            t = median(times)
+            rows.append({"isa": isa, "dtype": dtype,
+                         "computes_in": effective_dtype(opts.model, dtype, overrides),
+                         "median_s": t, "output_tok_s": wl.output_tokens / t,
+                         "times_s": times})
+            del llm
+    for r in rows:
+        base = next(x for x in rows if x["isa"] == r["isa"] and x["dtype"] == "float32")
+        r["x_fp32"] = r["output_tok_s"] / base["output_tok_s"]
+    return rows
+
+
+def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
+    t0 = time.perf_counter()
+    repeats = opts.reps(1, 3)
+    cfg = ModelConfig.from_dir(resolve_model_dir(opts.model))
+    isas = supported_isas()
+    attn = decode_attention_rows(cfg, repeats, opts.pick(128, DECODE_CTX))
+    single = single_stream_rows(opts, isas, repeats)
+    mixed = mixed_rows(opts, isas, repeats)
+    md = [
+        f"{opts.model or 'SmolLM2-135M-Instruct'}; {opts.threads} thread(s); median of "
+        f"{repeats}; ISA builds this CPU runs: {', '.join(isas)}.",
+        "",
+        f"Decode attention, batch {DECODE_BATCH} x {opts.pick(128, DECODE_CTX)} tokens, "
+        f"block {BLOCK}, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}:",
+        "",
+        md_table(["dtype", "path", "ms / call", "x torch"],
+                 [[r["dtype"], r["path"], r["ms"], r["x_torch"]] for r in attn], 3),
+        "",
+        "Single stream, fp32 (prompt then greedy generation; a step split into the model's "
+        "forward and the engine's overhead):",
+        "",
+        md_table(["isa", "prompt", "new", "prefill tok/s", "generation tok/s", "ms / step",
+                  "forward ms", "overhead ms"],
+                 [[r["isa"], r["prompt"], r["new_tokens"], r["prefill_tok_s"],
+                   r["decode_tok_s"], r["step_ms"], r["forward_ms"], r["overhead_ms"]]
+                  for r in single]),
+        "",
+        "Offline `mixed`, paged engine, per ISA build and dtype asked for:",
+        "",
+        md_table(["isa", "dtype asked", "computes in", "median s", "out tok/s", "x fp32",
+                  "times s"],
+                 [[r["isa"], r["dtype"], r["computes_in"], r["median_s"], r["output_tok_s"],
+                   r["x_fp32"], " ".join(f"{t:.1f}" for t in r["times_s"])] for r in mixed]),
+    ]
+    config = {"repeats": repeats, "isas": isas, "threads": opts.threads}
+    res = BenchResult("cpu", opts.command, config,
+                      {"decode_attention": attn, "single_stream": single, "mixed": mixed},
+                      "\n".join(md), elapsed_s=time.perf_counter() - t0)
+    return res, plot
+
+
+def plot(results: dict, fig: Figure) -> None:
+    ax1, ax2 = fig.subplots(1, 2)
+    attn = results["decode_attention"]
+    labels = [f"{r['path'].replace('torch (gather + SDPA)', 'torch')}\n{r['dtype']}"
+              for r in attn]
+    ax1.bar(range(len(attn)), [r["ms"] for r in attn], color="#4c72b0")
+    ax1.set_xticks(range(len(attn)), labels, fontsize=7)
+    ax1.set_ylabel("ms per decode-attention call (lower is better)")
+    ax1.set_title("decode attention per path")
+    mixed = results["mixed"]
+    ax2.bar(range(len(mixed)), [r["output_tok_s"] for r in mixed], color="#55a868")
+    ax2.set_xticks(range(len(mixed)),
+                   [f"{r['isa']}\n{r['dtype']}\n({r['computes_in']})" for r in mixed],
+                   fontsize=6)
+    ax2.set_ylabel("output tok/s (higher is better)")
+    ax2.set_title("offline mixed per ISA build and dtype")
