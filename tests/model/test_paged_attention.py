@@ -133,7 +133,7 @@ def test_decode_kernel_bfloat16_matches_reference(isa):
         torch.testing.assert_close(out[b].float(), ref[0], atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", ISAS)
@@ -187,7 +187,7 @@ def test_bf16_eager_prefill_matches_fp32_reference(length):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", [16, 64, 256])
 @pytest.mark.parametrize("window, softcap, trimmed",
                          [(5, None, False), (37, None, True), (None, 20.0, False),
                           (12, 3.0, True)])

@@ -178,8 +178,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(fp.dim() == 1 && fp.size(0) == B, "one first position per sequence expected");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    auto kernel = D == 64 ? decode_kernel<scalar_t, 64>
+    auto kernel = D == 64    ? decode_kernel<scalar_t, 64>
                   : D == 128 ? decode_kernel<scalar_t, 128>
+                  : D == 256 ? decode_kernel<scalar_t, 256>  // Gemma 2/3
                              : decode_kernel<scalar_t, 0>;
     kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
