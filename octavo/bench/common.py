@@ -25,6 +25,7 @@ matplotlib.use("Agg")  # headless: benchmarks run in CI and over ssh
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from octavo.model.cpu_isa import cpu_flags as all_cpu_flags  # noqa: E402
 from octavo.model.cpu_isa import supported_isas  # noqa: E402
 
 PlotFn = Callable[[Any, Figure], None]
@@ -40,21 +41,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni",
-              "avx_vnni")
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16",
+              "amx_tile", "avx512_vnni", "avx_vnni")
 
 
 def cpu_flags() -> list[str]:
     """The SIMD flags of /proc/cpuinfo that decide the CPU kernels (empty off Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return [flag for flag in SIMD_FLAGS if flag in have]
-    except OSError:
-        pass
-    return []
+    have = all_cpu_flags()
+    return [flag for flag in SIMD_FLAGS if flag in have]
 
 
 def machine_info() -> dict[str, Any]:
