@@ -82,7 +82,7 @@ def test_model_dir_without_config(tmp_path):
 
 
 def test_unsupported_dtype(tiny_llama_dir):
-    with pytest.raises(ValueError, match="dtype: 'int8' is not one of float32, bfloat16"):
+    with pytest.raises(ValueError, match="dtype: 'int8' is not one of auto, float32, bfloat16"):
         LLM(model=str(tiny_llama_dir), dtype="int8")
 
 

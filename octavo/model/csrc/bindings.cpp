@@ -1,4 +1,4 @@
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include "ops.h"
 

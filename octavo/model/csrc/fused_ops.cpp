@@ -2,7 +2,6 @@
 // q and k in place, and silu(gate) * up. Each follows transformers' op order and, in bf16/fp16,
 // rounds to the model dtype after the same ops torch would, so they stand in for the torch code
 // in octavo/model/llama.py (which remains the fallback).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -35,7 +34,7 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   }
 }
 
-void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "a contiguous [tokens, hidden] tensor expected");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
               "weight must be [hidden]");
@@ -75,9 +74,9 @@ void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, weight);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t rows = x.size(0), n = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -91,13 +90,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight,
                             double eps) {
   check_rows(residual, weight);
   TORCH_CHECK(x.sizes() == residual.sizes() && x.is_contiguous() &&
                   x.scalar_type() == residual.scalar_type(),
               "x must match the residual's shape and dtype");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t rows = x.size(0), n = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -114,7 +113,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
   return out;
 }
 
-void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
+void rope_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_heads,
            int64_t num_kv_heads, int64_t head_dim) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be a contiguous [tokens, width]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
@@ -144,11 +143,11 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_
   });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be a contiguous [tokens, 2 * intermediate]");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inter}, gate_up.options());
+  auto out = at::empty({rows, inter}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     using T = scalar_t;
     const T* gp = gate_up.data_ptr<T>();

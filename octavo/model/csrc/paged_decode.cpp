@@ -15,7 +15,6 @@
 //
 // Three builds of this file exist (cpu_ops.py): with AVX-512 (decode_avx512.h, 16 keys at a
 // time), with AVX2 + FMA (decode_avx2.h, 8 keys at a time) and portable (the loops below).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "ops.h"
@@ -153,18 +152,18 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 
 }  // namespace
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                           c10::optional<torch::Tensor> first_pos, int64_t window,
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                           at::Tensor block_tables, at::Tensor context_lens, double scale,
+                           c10::optional<at::Tensor> first_pos, int64_t window,
                            double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B,H,D], cache [NB,BS,KVH,D] expected");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "contiguous tensors expected");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the cache must have one dtype");
-  block_tables = block_tables.to(torch::kInt64).contiguous();
-  context_lens = context_lens.to(torch::kInt64).contiguous();
-  auto out = torch::empty_like(q);
+  block_tables = block_tables.to(at::kLong).contiguous();
+  context_lens = context_lens.to(at::kLong).contiguous();
+  auto out = at::empty_like(q);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
@@ -172,9 +171,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B,
               "one block table and one context length per sequence expected");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
-  torch::Tensor fp;
+  at::Tensor fp;
   if (first_pos.has_value()) {
-    fp = first_pos->to(torch::kInt64).contiguous();
+    fp = first_pos->to(at::kLong).contiguous();
     TORCH_CHECK(fp.dim() == 1 && fp.size(0) == B, "one first position per sequence expected");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
