@@ -24,15 +24,13 @@ def effective_dtype(model: str | None, dtype: str,
     import torch
 
     from octavo.config import ModelConfig
-    from octavo.model.cpu_isa import select_isa
-    from octavo.model.dtype_policy import resolve_dtype
+    from octavo.model.dtype_policy import resolve_isa_and_dtype
     from octavo.model.loader import resolve_model_dir
 
     overrides = overrides or {}
     device = torch.device(overrides.get("device") or "cpu")
-    isa = select_isa(overrides.get("cpu_isa")) if device.type == "cpu" else "none"
     cfg = ModelConfig.from_dir(resolve_model_dir(model))
-    return resolve_dtype(dtype, cfg, device, isa).name
+    return resolve_isa_and_dtype(overrides.get("cpu_isa"), dtype, cfg, device)[1].name
 
 
 def make_llm(model: str | None, *, dtype: str = "float32", allocator: str = "paged",

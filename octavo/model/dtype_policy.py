@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from octavo.config import ModelConfig
-from octavo.model.cpu_isa import native_bf16
+from octavo.model.cpu_isa import native_bf16, select_isa
 
 logger = logging.getLogger(__name__)
 
@@ -67,3 +67,11 @@ def resolve_dtype(requested: str, config: ModelConfig, device: torch.device,
             logger.warning("dtype=%s: %s", requested, reason)
         return DtypeChoice(requested, torch.float32, reason)
     return DtypeChoice(requested, DTYPES[requested], "as asked")
+
+
+def resolve_isa_and_dtype(cpu_isa: str | None, dtype: str, config: ModelConfig,
+                          device: torch.device) -> tuple[str | None, DtypeChoice]:
+    """The engine options `cpu_isa` and `dtype` resolved together, as an engine starts: the
+    ISA of the CPU kernels (None off the CPU) and the dtype computed in."""
+    isa = select_isa(cpu_isa) if device.type == "cpu" else None
+    return isa, resolve_dtype(dtype, config, device, isa or "none")

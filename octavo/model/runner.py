@@ -20,9 +20,8 @@ from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.attention import get_backend
 from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
-from octavo.model.cpu_isa import select_isa
 from octavo.model.cpu_ops import select_cpu_ops
-from octavo.model.dtype_policy import DTYPES, resolve_dtype
+from octavo.model.dtype_policy import DTYPES, resolve_isa_and_dtype
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
 from octavo.model.layers import RotaryEmbedding
@@ -80,15 +79,16 @@ class ModelRunner:
         self.args = args
         self.config = config
         self.device = resolve_device(args.device)
-        self.isa = select_isa(args.cpu_isa) if self.device.type == "cpu" else "none"
-        self.dtype_choice = resolve_dtype(args.dtype, config, self.device, self.isa)
+        isa, self.dtype_choice = resolve_isa_and_dtype(args.cpu_isa, args.dtype, config,
+                                                       self.device)
+        self.isa = isa or "none"
         self.dtype = self.dtype_choice.dtype
         self.block_size = args.block_size
         torch.manual_seed(args.seed)
         max_positions = args.max_model_len or config.max_position_embeddings
         self.model = load_model(model_dir, config, self.dtype, self.device, max_positions,
-                                args.linear_backend, args.fused_ops, args.cpu_isa)
-        self.backend = get_backend(args.attention_backend, self.device, args.cpu_isa)
+                                args.linear_backend, args.fused_ops, isa)
+        self.backend = get_backend(args.attention_backend, self.device, isa)
         self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
