@@ -32,6 +32,7 @@ BENCHMARKS = {
     "reliability": "octavo.bench.reliability",
     "structured": "octavo.bench.structured",
     "cpu": "octavo.bench.cpu_paths",
+    "saturation": "octavo.bench.saturation",
 }
 
 

@@ -80,6 +80,11 @@ class ServerProcess:
                 return int(line.split()[1])
         return 0
 
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used so far (all its threads, user + system)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def log_lines(self) -> int:
         self._log_file.flush()
         with open(self.log, "rb") as f:

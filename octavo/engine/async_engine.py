@@ -3,10 +3,12 @@
 LLMEngine is not thread-safe and a model step can take hundreds of milliseconds, so neither may
 run on the event loop. The split:
 
-- the *engine thread* is the only caller of LLMEngine. Before each step it drains a command
-  queue (add / abort / abort-all / stop), then steps, then hands every output of the step to the
-  event loop in ONE `loop.call_soon_threadsafe` call (a call per output would flood the loop's
-  self-pipe with 200 streams running);
+- the *engine thread* (engine/engine_thread.py) is the only caller of LLMEngine; `octavo serve`
+  builds the engine on that same thread, so all torch work of the process runs on one thread
+  and torch keeps one OpenMP team (two teams cost 14% of the throughput, see there). Before
+  each step it drains a command queue (add / abort / abort-all / stop), then steps, then hands
+  every output of the step to the event loop in ONE `loop.call_soon_threadsafe` call (a call
+  per output would flood the loop's self-pipe with 200 streams running);
 - the *event loop* enqueues commands and awaits per-request `RequestStream`s. `add_request`
   awaits the engine thread's verdict, so a bad prompt (empty, too long, ids out of range) comes
   back as the engine's own ValueError before an HTTP response has started.
@@ -26,12 +28,13 @@ import asyncio
 import contextlib
 import logging
 import queue
-import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from octavo.engine.engine import LLMEngine, StepFailed
+from octavo.engine.engine_thread import EngineThread
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 
@@ -131,12 +134,16 @@ class _Stop:
 class AsyncLLMEngine:
     """Runs an LLMEngine on a background thread behind an asyncio interface."""
 
-    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None,
+                 thread: EngineThread | None = None) -> None:
+        """`thread`: the thread that built `engine`, to step it on (None: a new thread)."""
         self.engine = engine
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._given_thread = thread
+        self._thread: EngineThread | None = None
+        self._loop_done: Future | None = None
         self._accepting = False
         self._pending_adds = 0  # event-loop side: adds enqueued, not yet answered
         # engine-thread side; read (never written) by the loop: plain values, atomic under GIL
@@ -152,8 +159,8 @@ class AsyncLLMEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
-        self._thread.start()
+        self._thread = self._given_thread or EngineThread()
+        self._loop_done = self._thread.submit(self._run)
 
     def begin_drain(self) -> None:
         """Refuse new requests; those in flight go on (a graceful shutdown). Thread-safe."""
@@ -170,12 +177,16 @@ class AsyncLLMEngine:
             return
         self.begin_shutdown()
         self._commands.put(_Stop())
-        await asyncio.to_thread(self._thread.join)
+        assert self._loop_done is not None
+        with contextlib.suppress(Exception):  # a loop that died has logged why
+            await asyncio.wrap_future(self._loop_done)
+        self._thread.close()
         self._thread = None
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return (self._thread is not None and self._loop_done is not None
+                and not self._loop_done.done())
 
     @property
     def accepting(self) -> bool:

@@ -9,6 +9,7 @@
   that sends its request at once, a probe of /health say, always gets in). Only when the
   process is about to run out of descriptors is a new connection itself turned away. Requests
   in flight are capped at the same number: past it, 503 (middleware.InFlightLimitMiddleware).
+- TCP_NODELAY on every connection, whatever socket it was accepted on (no_delay).
 - The soft file-descriptor limit is raised to the hard one, so the cap, not the OS, decides.
 - Repeated log lines (accept() failing for lack of descriptors, invalid requests) are written
   once per interval with a count, not once per connection.
@@ -16,8 +17,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
+import socket
 import time
 from collections import OrderedDict
 from typing import Any
@@ -46,11 +49,24 @@ class ConnectionGuard:
         self.num_evicted = 0
 
 
+def no_delay(transport: Any) -> None:
+    """TCP_NODELAY on the connection. asyncio sets it only on sockets whose `proto` is
+    IPPROTO_TCP; a listening socket made as socket(AF_INET, SOCK_STREAM) (proto 0) hands out
+    connections without it, and then the body of every response after the first on a
+    keep-alive connection waits on Nagle's algorithm for the client's delayed ACK: 40 ms per
+    request and per streamed chunk on Linux."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class GuardedH11Protocol(H11Protocol):
     guard: ConnectionGuard  # set on the subclass made for each server (protocol_class)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        no_delay(transport)
         self._header_timer: Any = None
         self._wait_for_request_head()
         guard = self.guard

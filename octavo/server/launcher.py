@@ -8,8 +8,10 @@ uvicorn closes the connections and `serve` returns 0; a second signal aborts at 
 alone would re-raise the signal (dying by SIGTERM instead of exiting 0) and wait for every
 stream with no limit.
 
-If the engine thread dies, /health fails at once and `serve` exits 1, so a supervisor restarts
-it; a failed model step only fails the requests of that step (engine/async_engine.py).
+The model is built on the engine thread that will step it (one OpenMP team per process: see
+engine/engine_thread.py). If the engine thread dies, /health fails at once and `serve` exits 1,
+so a supervisor restarts it; a failed model step only fails the requests of that step
+(engine/async_engine.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 import uvicorn
 
 from octavo.engine.async_engine import AsyncLLMEngine
+from octavo.engine.engine_thread import EngineThread
 from octavo.llm import LLM
 from octavo.server.app import build_app
 from octavo.server.connections import uvicorn_config
@@ -95,9 +98,11 @@ class OctavoServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve_app(llm: LLM, config: ServerConfig, **uvicorn_options) -> OctavoServer:
-    """The app and its server, not started (run() it; tests run it on a thread)."""
-    engine = AsyncLLMEngine(llm.engine)
+def serve_app(llm: LLM, config: ServerConfig, thread: EngineThread | None = None,
+              **uvicorn_options) -> OctavoServer:
+    """The app and its server, not started (run() it; tests run it on a thread). `thread`: the
+    thread `llm` was built on, to step it on (engine/engine_thread.py says why)."""
+    engine = AsyncLLMEngine(llm.engine, thread=thread)
     app = build_app(engine, config)
     return OctavoServer(uvicorn_config(app, config, **uvicorn_options), engine,
                         config.shutdown_timeout)
@@ -144,8 +149,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def run_server(llm: LLM, config: ServerConfig, host: str, port: int,
-               log_level: str = "info") -> int:
-    server = serve_app(llm, config, host=host, port=port, log_level=log_level)
+               log_level: str = "info", thread: EngineThread | None = None) -> int:
+    server = serve_app(llm, config, thread, host=host, port=port, log_level=log_level)
     name = config.served_model_names[0] if config.served_model_names else llm.engine.model_dir.name
     auth = ' -H "Authorization: Bearer $OCTAVO_API_KEY"' if config.api_key else ""
     print(

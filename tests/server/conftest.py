@@ -20,6 +20,7 @@ import pytest
 
 from octavo.bench.server_proc import parse_metrics
 from octavo.engine.async_engine import AsyncLLMEngine
+from octavo.engine.engine_thread import EngineThread
 from octavo.llm import LLM
 from octavo.server.context import ServerConfig
 from octavo.server.launcher import OctavoServer, serve_app
@@ -64,9 +65,10 @@ def start_server(model_dir: Path, *, name: str = "tiny", **options) -> RunningSe
     the rest EngineArgs for its engine."""
     server = {"max_request_body_bytes": 1 << 20,
               **{k: v for k, v in options.items() if k in SERVER_OPTIONS}}
-    llm = LLM(model=str(model_dir), **{k: v for k, v in options.items()
-                                       if k not in SERVER_OPTIONS})
-    server = serve_app(llm, ServerConfig(served_model_names=[name], **server),
+    thread = EngineThread()  # builds the model and steps it, as `octavo serve` does
+    llm = thread.call(LLM, model=str(model_dir), **{k: v for k, v in options.items()
+                                                     if k not in SERVER_OPTIONS})
+    server = serve_app(llm, ServerConfig(served_model_names=[name], **server), thread,
                        log_level="warning")
     engine = server.engine
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

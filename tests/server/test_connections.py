@@ -110,3 +110,44 @@ def test_repeated_log_lines_are_rate_limited():
         assert len(records) == 3
     finally:
         log.removeHandler(handler)
+
+
+def test_every_connection_gets_tcp_nodelay_whatever_socket_accepted_it(guarded):
+    # The test servers listen on socket(AF_INET, SOCK_STREAM): proto 0, so asyncio leaves
+    # TCP_NODELAY off on what it accepts, and each response after the first on a keep-alive
+    # connection waited 40 ms for the client's delayed ACK (Nagle). The server sets it itself.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    assert listener.proto == 0
+    with httpx.Client() as client:
+        for _ in range(3):  # keep-alive: one connection, several requests
+            r = client.post(f"{guarded.url}/tokenize", json={"prompt": "hi"})
+            assert r.status_code == 200, r.text
+        states = [p.transport.get_extra_info("socket")
+                  for p in guarded.server.server_state.connections]
+        open_sockets = [s for s in states if s is not None and s.fileno() >= 0]
+        assert open_sockets
+        for s in open_sockets:
+            assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    listener.close()
+
+
+def test_no_delay_sets_the_option_on_an_accepted_socket():
+    from octavo.server.connections import no_delay
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    try:
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+
+        class Transport:
+            def get_extra_info(self, name):
+                return accepted if name == "socket" else None
+
+        no_delay(Transport())
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        for s in (accepted, client, listener):
+            s.close()
