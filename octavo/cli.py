@@ -87,13 +87,11 @@ def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> in
 def cmd_serve(args: argparse.Namespace) -> int:
     """The OpenAI-compatible HTTP server (octavo/server): one process, engine on a thread that
     also builds it (engine/engine_thread.py says why)."""
-    from octavo.engine.engine_thread import EngineThread
-    from octavo.server.launcher import run_server, server_config
+    from octavo.server.launcher import build_and_serve, server_config
 
     config = server_config(args)
-    thread = EngineThread()
-    llm = thread.call(make_llm, args)
-    return run_server(llm, config, args.host, args.port, args.uvicorn_log_level, thread)
+    return build_and_serve(lambda: make_llm(args), config, args.host, args.port,
+                           args.uvicorn_log_level)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import uvicorn
@@ -163,3 +163,11 @@ def run_server(llm: LLM, config: ServerConfig, host: str, port: int,
     )
     server.run()
     return server.exit_code
+
+
+def build_and_serve(make_llm: Callable[[], LLM], config: ServerConfig, host: str, port: int,
+                    log_level: str = "info") -> int:
+    """Build the LLM on a new engine thread, then serve it, stepping it on that thread."""
+    thread = EngineThread()
+    llm = thread.call(make_llm)
+    return run_server(llm, config, host, port, log_level, thread)

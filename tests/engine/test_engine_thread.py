@@ -50,7 +50,7 @@ def test_serve_builds_the_model_on_the_thread_that_steps_it(monkeypatch):
     built_on: list[int] = []
     handed: list[EngineThread | None] = []
 
-    def fake_make_llm(args):
+    def fake_make_llm(args=None):
         built_on.append(threading.get_ident())
         return "llm"
 
