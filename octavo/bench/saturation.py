@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import resource
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from octavo.bench.engine_run import EngineRun, make_llm, run_workload
 from octavo.bench.loadgen import run_load
 from octavo.bench.options import BenchOptions
 from octavo.bench.server_proc import ServerProcess
+from octavo.engine.engine_thread import EngineThread
 
 GOAL = 0.95
 WAYS = ("offline", "offline, 2nd thread", "server")
@@ -45,20 +46,19 @@ def process_cpu_s() -> float:
 
 
 def on_second_thread(llm, wl: workloads.Workload, tag: str) -> EngineRun:
-    box: dict[str, Any] = {}
+    """Step `llm` from a fresh thread, not the one that built and warmed it."""
+    thread = EngineThread(name="bench-second-thread")
+    try:
+        return thread.call(run_workload, llm, wl, tag=tag)
+    finally:
+        thread.close()
 
-    def go() -> None:
-        try:
-            box["run"] = run_workload(llm, wl, tag=tag)
-        except BaseException as e:  # re-raised on the caller's thread
-            box["error"] = e
 
-    t = threading.Thread(target=go, name="bench-second-thread")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["run"]
+def offline_sample(run: Callable[..., EngineRun], *args: Any, **kwargs: Any
+                   ) -> dict[str, float]:
+    c = process_cpu_s()
+    r = run(*args, **kwargs)
+    return {"output_tok_s": r.output_tok_s, "cores_busy": (process_cpu_s() - c) / r.elapsed_s}
 
 
 def workload(opts: BenchOptions) -> workloads.Workload:
@@ -87,15 +87,10 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
             server.wait_ready()
             run_load(server.url, "bench", warm, float("inf"), timeout_s=120)
             for rep in range(repeats):
-                c = process_cpu_s()
-                r = run_workload(llm, wl, tag=f"o{rep}-")
-                samples["offline"].append({"output_tok_s": r.output_tok_s,
-                                           "cores_busy": (process_cpu_s() - c) / r.elapsed_s})
-                c = process_cpu_s()
-                r = on_second_thread(llm, wl, f"t{rep}-")
+                samples["offline"].append(
+                    offline_sample(run_workload, llm, wl, tag=f"o{rep}-"))
                 samples["offline, 2nd thread"].append(
-                    {"output_tok_s": r.output_tok_s,
-                     "cores_busy": (process_cpu_s() - c) / r.elapsed_s})
+                    offline_sample(on_second_thread, llm, wl, f"t{rep}-"))
                 c, sc = process_cpu_s(), server.cpu_s()
                 res = run_load(server.url, "bench", wl, float("inf"),
                                timeout_s=opts.pick(300, 1800))

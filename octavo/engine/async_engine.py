@@ -185,8 +185,7 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return (self._thread is not None and self._loop_done is not None
-                and not self._loop_done.done())
+        return self._loop_done is not None and not self._loop_done.done()
 
     @property
     def accepting(self) -> bool:
