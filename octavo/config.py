@@ -178,6 +178,63 @@ class SchedulerConfig:
     max_model_len: int
     preemption_mode: str
     scheduling_policy: str
+    speculative: SpeculativeConfig | None = None
+
+
+SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min",
+                     "prompt_lookup_max", "cost_model")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, from vLLM's `speculative_config` dict.
+
+    `ngram` (prompt lookup) proposes the `num_speculative_tokens` tokens that followed the
+    latest earlier occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down
+    to `prompt_lookup_min` (vLLM's defaults: one given sets the other; neither: both 5).
+    `cost_model` (octavo's): per sequence, speculate only as far as its acceptance rate pays
+    for the extra tokens a step computes (False: always propose the full k).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    cost_model: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        unknown = [k for k in d if k not in _SPECULATIVE_KEYS]
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]!r} (keys: {', '.join(_SPECULATIVE_KEYS)})")
+        method = d.get("method")
+        if method is None and d.get("model") in ("ngram", "[ngram]"):
+            method = "ngram"  # vLLM's older spelling
+        if method is None:
+            method = "draft_model" if d.get("model") else None
+        if method is None:
+            raise ValueError("'method' must be given (ngram)")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"method {method!r} is not supported (supported: "
+                f"{', '.join(SPECULATIVE_METHODS)}; draft models are not implemented yet)")
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"'num_speculative_tokens' must be an int >= 1, got {k!r}")
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        lo, hi = (5, 5) if lo is None else (lo, hi)
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name!r} must be an int >= 1, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"'prompt_lookup_min' ({lo}) must be <= 'prompt_lookup_max' ({hi})")
+        cost = d.get("cost_model", True)
+        if not isinstance(cost, bool):
+            raise ValueError(f"'cost_model' must be true or false, got {cost!r}")
+        return cls(method, k, lo, hi, cost)
 
 
 @dataclass(frozen=True, slots=True)

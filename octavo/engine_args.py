@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from octavo.config import SchedulerConfig
+from octavo.config import SchedulerConfig, SpeculativeConfig
 
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -61,8 +62,19 @@ def _type_problem(kind: str, value: Any) -> str | None:
         "float": isinstance(value, int | float) and not isinstance(value, bool),
         "str": isinstance(value, str),
         "tuple": isinstance(value, tuple),
+        "dict": isinstance(value, dict),
     }[base]
     return None if ok else f"must be {'a ' + base if base != 'int' else 'an int'}, got {value!r}"
+
+
+def _speculative(v: dict | None) -> str | None:
+    if v is None:
+        return None
+    try:
+        SpeculativeConfig.from_dict(v)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _device(v: str) -> str | None:
@@ -111,6 +123,10 @@ class EngineArgs:
                                 choices=("recompute", "swap"))
     scheduling_policy: str = _opt("fcfs", "fcfs, or priority (lower value first)",
                                   choices=("fcfs", "priority"))
+    speculative_config: dict | None = _opt(
+        None, "speculative decoding, vLLM's dict (JSON on the command line), e.g. "
+        "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}",
+        check=_speculative)
     # -- kernels --------------------------------------------------------------------------
     attention_backend: str = _opt(
         "auto", "auto, torch (gather + SDPA) or cpu (the compiled paged-decode kernel)",
@@ -143,6 +159,10 @@ class EngineArgs:
             problem = check(value) if check is not None else None
             if problem is not None:
                 raise EngineArgsError(f.name, problem)
+        if self.speculative_config is not None and self.logits_processors:
+            # a custom processor keeps per-sequence state a step of several positions breaks
+            raise EngineArgsError("speculative_config", "cannot be combined with "
+                                  "logits_processors")
 
     # -- derived configs ------------------------------------------------------------------
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -153,6 +173,8 @@ class EngineArgs:
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
             scheduling_policy=self.scheduling_policy,
+            speculative=(None if self.speculative_config is None
+                         else SpeculativeConfig.from_dict(self.speculative_config)),
         )
 
     def replace(self, **changes: Any) -> EngineArgs:
@@ -213,9 +235,21 @@ def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
         return int
     if kind.startswith("float"):
         return float
+    if kind.startswith("dict"):
+        return _json_dict
     if kind.startswith("tuple"):
         return lambda text: tuple(part.strip() for part in text.split(",") if part.strip())
     return str
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def from_cli_args(ns: argparse.Namespace) -> EngineArgs:
@@ -235,6 +269,8 @@ def to_cli_flags(options: dict[str, Any]) -> list[str]:
             raise TypeError(f"unknown engine option {name!r}")
         if isinstance(value, bool):
             out.append(flag(name) if value else "--no-" + flag(name)[2:])
+        elif isinstance(value, dict):
+            out += [flag(name), json.dumps(value)]
         elif isinstance(value, tuple):
             if value:
                 out += [flag(name), ",".join(v if isinstance(v, str) else

@@ -48,10 +48,21 @@ class SeqChunk:
     sample_seq_ids: tuple[int, ...] = ()
     # Logprobs of the prompt tokens this chunk predicts (SamplingParams.prompt_logprobs).
     prompt_logprobs: bool = False
+    # Speculative decoding: tokens proposed to follow `token_ids` (a decode of one known token
+    # that samples only itself). They are computed after it, at the lookahead slots the KV
+    # manager handed out; the runner samples at each of them and keeps the longest run of
+    # drafts its samples agree with, plus the first sample that disagrees (or one past them).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def context_len(self) -> int:
+        """Positions whose K/V exist after this chunk's known tokens (drafts not counted)."""
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens the forward pass computes for this chunk: the known ones and the drafts."""
+        return len(self.token_ids) + len(self.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -91,14 +102,15 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+        return sum(c.num_query_tokens for c in self.chunks)
 
 
 @dataclass(slots=True)
 class RunnerOutput:
     """What the runner hands back for a plan, as plain Python values."""
 
-    # seq_id -> tokens sampled for it this step (one, for now)
+    # seq_id -> tokens sampled for it this step: one, or with drafts the accepted ones and the
+    # token after them
     sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # seq_id -> logprobs of each sampled token (only sequences that asked)
     logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)

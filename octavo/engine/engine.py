@@ -14,6 +14,7 @@ everything finished. See docs/ARCHITECTURE.md for who owns which state.
 from __future__ import annotations
 
 import logging
+import time
 
 from octavo.config import ModelConfig
 from octavo.engine.input_processor import InputProcessor, load_tokenizer
@@ -105,6 +106,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         # structured outputs: the allowed tokens are computed while the forward pass runs
         plan.grammar_bitmask = self.structured.bitmask(plan, self.scheduler.seqs)
+        started = time.perf_counter()
         try:
             out = self.runner.execute(plan)
         except Exception as e:
@@ -115,6 +117,10 @@ class LLMEngine:
             self.structured.wait(plan)
             self.scheduler.step_failed(plan)
             raise
+        if self.scheduler.speculator is not None and plan.chunks:  # its cost model's data
+            self.scheduler.speculator.cost.observe(
+                plan.num_tokens, sum(len(c.sample_seq_ids) for c in plan.chunks),
+                time.perf_counter() - started)
         updates = self.scheduler.update_from_output(plan, out)
         outputs, stopped = self.output_processor.process(updates)
         self.scheduler.finish_seqs(stopped)
@@ -136,6 +142,8 @@ class LLMEngine:
             prompt_tokens_total=sch.num_prompt_tokens_total,
             generation_tokens_total=sch.num_generation_tokens_total,
         )
+        if sch.speculator is not None:
+            s.update(sch.speculator.stats.as_stats())
         return s
 
     def check_invariants(self) -> None:

@@ -89,7 +89,30 @@ class OutputProcessor:
                 )
             text = state.seqs[seq.seq_id] = _SeqText(
                 detok, logprobs=[] if params.logprobs is not None else None)
-        for token, lp in zip(tokens, logprobs or [None] * len(tokens), strict=True):
+        lps = logprobs or [None] * len(tokens)
+        if len(tokens) > 1 and params.stop and params.detokenize:
+            # several tokens in one step (speculative decoding): a stop string may end the
+            # text at any of them, and the tokens after it were never output
+            for i in range(len(tokens)):
+                last = i == len(tokens) - 1
+                num_out = seq.num_output_tokens - (len(tokens) - 1 - i)
+                decision = self._add_text(text, params, tokens[i : i + 1], lps[i : i + 1],
+                                          num_out, seq if last else None)
+                if decision is not None:
+                    if not last:
+                        seq.drop_last_tokens(len(tokens) - 1 - i)
+                    return self._finish(text, seq, decision)
+            return False
+        decision = self._add_text(text, params, tokens, lps, seq.num_output_tokens, seq)
+        return decision is not None and self._finish(text, seq, decision)
+
+    @staticmethod
+    def _add_text(text: _SeqText, params: Any, tokens: list[int],
+                  logprobs: list[PositionLogprobs | None], num_output_tokens: int,
+                  seq: Sequence | None) -> StopDecision | None:
+        """Add tokens to the text; the stop decision they make (`seq`: the sequence whose
+        token-side finish applies, None for tokens before its last)."""
+        for token, lp in zip(tokens, logprobs, strict=True):
             if lp is not None:
                 text.cumulative_logprob += lp[token].logprob
                 if text.logprobs is not None:
@@ -99,12 +122,12 @@ class OutputProcessor:
             delta = text.detokenizer.append(tokens)
             text.text += delta
         token_decision = None
-        if seq.finish_reason is not None:
+        if seq is not None and seq.finish_reason is not None:
             token_decision = StopDecision(seq.finish_reason, seq.stop_reason)
-        decision = check_text_stop(params, token_decision, seq.num_output_tokens, text.text,
-                                   len(delta))
-        if decision is None:
-            return False
+        return check_text_stop(params, token_decision, num_output_tokens, text.text, len(delta))
+
+    @staticmethod
+    def _finish(text: _SeqText, seq: Sequence, decision: StopDecision) -> bool:
         if decision.output_text is not None:
             text.text = decision.output_text
         elif text.detokenizer is not None:

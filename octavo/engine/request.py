@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from octavo.engine.speculator import DraftState
 from octavo.outputs import PositionLogprobs
 from octavo.paging.block_hash import BlockHasher
 from octavo.paging.kv_seq import KVSeq
@@ -43,7 +44,7 @@ _seq_ids = itertools.count()
 
 class Sequence(KVSeq):
     __slots__ = ("request", "num_prompt_tokens", "index", "finish_reason", "stop_reason",
-                 "in_runner", "grammar")
+                 "in_runner", "grammar", "draft")
 
     def __init__(self, request: Request, token_ids: list[int], num_prompt_tokens: int, *,
                  index: int = 0, block_hashes: list[bytes] | None = None,
@@ -62,6 +63,8 @@ class Sequence(KVSeq):
         # structured outputs: the grammar matcher (llguidance.LLMatcher) of this sequence's
         # output tokens; None when unconstrained
         self.grammar: Any = None
+        # speculative decoding: its acceptance record (engine/speculator.py: DraftState)
+        self.draft: DraftState | None = None
 
     def fork(self, index: int | None = None) -> Sequence:
         """A new sequence with this one's tokens, block hashes and computed tokens; the KV
@@ -73,6 +76,14 @@ class Sequence(KVSeq):
         if self.grammar is not None:
             child.grammar = self.grammar.deep_copy()
         return child
+
+    def drop_last_tokens(self, n: int) -> None:
+        """Forget the last `n` output tokens of a sequence a stop string ended before them
+        (a step of several tokens); it is freed right after, so its blocks need no change."""
+        if not 0 <= n <= self.num_output_tokens:
+            raise ValueError(f"cannot drop {n} of {self.num_output_tokens} output tokens")
+        if n:
+            del self.token_ids[len(self.token_ids) - n :]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -23,6 +23,7 @@ from octavo.config import SchedulerConfig
 from octavo.engine import beam_search
 from octavo.engine.parallel_sampling import fan_out, needs_fan_out
 from octavo.engine.request import Request, RequestStatus, RequestUpdate, Sequence, SeqUpdate
+from octavo.engine.speculator import DraftState, Speculator
 from octavo.engine.stop_checker import check_token_stop
 from octavo.paging.allocator import KVAllocator, NewBlocks
 from octavo.step_plan import NewSeq, RunnerOutput, SeqChunk, StepPlan
@@ -50,6 +51,8 @@ class Scheduler:
         # requests that can never fit the KV cache, finished by schedule() and reported by the
         # next update_from_output (finish_reason "length")
         self._ignored: list[Request] = []
+        self.speculator = (None if config.speculative is None
+                           else Speculator(config.speculative, config.max_model_len))
         if config.scheduling_policy == "priority":
             self._key = lambda r: r.sort_key
         else:
@@ -130,12 +133,23 @@ class Scheduler:
 
     def _schedule_running(self, request: Request, plan: StepPlan, budget: int) -> int:
         slots: list[Slot] = []
+        drafts: dict[int, list[int]] = {}
         for seq in request.live_seqs:
-            n = min(seq.num_new_tokens, budget - sum(s[2] for s in slots))
+            left = budget - sum(s[2] for s in slots) - sum(map(len, drafts.values()))
+            n = min(seq.num_new_tokens, left)
             if n <= 0:
                 continue
             start = seq.num_computed_tokens
-            new = self.kv.allocate_slots(seq, n)
+            new = None
+            draft = self._propose(seq, left - 1) if n == seq.num_new_tokens == 1 else []
+            if draft:
+                new = self.kv.allocate_slots(seq, n, num_lookahead_tokens=len(draft))
+                if new is None:  # no blocks for the drafts: decode without them
+                    draft = []
+                else:
+                    drafts[seq.seq_id] = draft
+            if new is None:
+                new = self.kv.allocate_slots(seq, n)
             while new is None and self.running[-1] is not request:
                 self._preempt(self.running[-1])
                 new = self.kv.allocate_slots(seq, n)
@@ -149,8 +163,20 @@ class Scheduler:
                 break
             slots.append((seq, start, n, new))
         for slot in slots:
-            self._emit(request, *slot, plan)
-        return budget - sum(s[2] for s in slots)
+            self._emit(request, *slot, plan, drafts.get(slot[0].seq_id, []))
+        return budget - sum(s[2] for s in slots) - sum(map(len, drafts.values()))
+
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """Draft tokens for a decoding sequence (speculative decoding), or []. Beams and
+        constrained sequences never speculate."""
+        if self.speculator is None or seq.grammar is not None or seq.request.beam is not None:
+            return []
+        if seq.draft is None:
+            seq.draft = DraftState()
+        mt = seq.request.params.max_tokens
+        if mt is not None:  # the step yields up to drafts + 1 tokens; no draft past max_tokens
+            room = min(room, mt - seq.num_output_tokens - 1)
+        return self.speculator.propose(seq.draft, seq.token_ids, room)
 
     def _admit_outranking(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, int]:
         """Priority policy: before `request` is scheduled, admit the waiting requests that
@@ -262,7 +288,7 @@ class Scheduler:
         return done
 
     def _emit(self, request: Request, seq: Sequence, start: int, n: int, new: NewBlocks,
-              plan: StepPlan) -> None:
+              plan: StepPlan, drafts: list[int] | None = None) -> None:
         """Put one sequence's chunk in the plan (and, the first time, the sequence itself)."""
         self._sync_runner(seq, new, plan)
         sample: tuple[int, ...] = ()
@@ -280,7 +306,7 @@ class Scheduler:
             and start + 1 < seq.num_prompt_tokens
         )
         plan.chunks.append(SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start,
-                                    sample, wants_prompt_logprobs))
+                                    sample, wants_prompt_logprobs, drafts or []))
 
     def _sync_runner(self, seq: Sequence, new: NewBlocks | None, plan: StepPlan) -> None:
         """Tell the runner about a sequence it does not hold yet (all of it), or about the block
@@ -371,6 +397,11 @@ class Scheduler:
                     beam_requests[request.request_id] = request
                 else:
                     update(request).seqs.append(self._append(sampled, tokens, logprobs))
+                    if sampled.draft is not None and self.speculator is not None:
+                        self.speculator.record(sampled.draft, len(chunk.draft_token_ids),
+                                               tokens)
+                if chunk.draft_token_ids:  # the accepted drafts' slots are computed tokens
+                    self.kv.accept_lookahead(seq_id, len(tokens) - 1)
         for request in beam_requests.values():
             if all(b.seq_id in request.beam.pending for b in request.live_seqs):
                 self._beam_step(request)

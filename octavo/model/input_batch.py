@@ -88,14 +88,16 @@ class InputBatch:
 
     def prepare(self, chunks: list[SeqChunk]) -> ModelInputs:
         device = self.device
-        decode_idx = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        prefill_idx = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+        # a chunk with drafts computes them after its known tokens, like a prefill chunk
+        decode_idx = [i for i, c in enumerate(chunks) if c.num_query_tokens == 1]
+        prefill_idx = [i for i, c in enumerate(chunks) if c.num_query_tokens > 1]
         tokens: list[int] = [chunks[i].token_ids[0] for i in decode_idx]
         positions: list[int] = [chunks[i].start_pos for i in decode_idx]
         for i in prefill_idx:
             c = chunks[i]
             tokens.extend(c.token_ids)
-            positions.extend(range(c.start_pos, c.context_len))
+            tokens.extend(c.draft_token_ids)
+            positions.extend(range(c.start_pos, c.start_pos + c.num_query_tokens))
         metas = [self._group_meta(g, chunks, decode_idx, prefill_idx)
                  for g in range(len(self.windows))]
         return ModelInputs(
@@ -135,11 +137,12 @@ class InputBatch:
         row = len(decode_idx)
         for i in prefill_idx:
             c = chunks[i]
-            n = len(c.token_ids)
-            nblocks = -(-c.context_len // bs)
+            n = c.num_query_tokens
+            end = c.start_pos + n
+            nblocks = -(-end // bs)
             table = torch.tensor(self.seqs[c.seq_id].block_tables[group][:nblocks],
                                  dtype=torch.long)
-            pos = torch.arange(c.start_pos, c.context_len)
+            pos = torch.arange(c.start_pos, end)
             prefill_slots.append(table[pos // bs] * bs + pos % bs)
             prefills.append(PrefillChunk(row, row + n, c.start_pos, table.to(device)))
             row += n

@@ -21,6 +21,7 @@ from octavo.engine_args import EngineArgs
 from octavo.model.attention import get_backend
 from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
 from octavo.model.cpu_ops import select_cpu_ops
+from octavo.model.draft_acceptance import accept_drafts
 from octavo.model.dtype_policy import DTYPES, resolve_isa_and_dtype
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
@@ -68,7 +69,7 @@ def load_model(
 
 @dataclass(slots=True)
 class StepLogits:
-    # one row per chunk that samples, in plan order
+    # per chunk that samples, in plan order: one row, or with drafts one more per draft
     sample: torch.Tensor
     # seq_id -> [num_tokens, vocab] for chunks that want prompt logprobs
     prompt: dict[int, torch.Tensor]
@@ -142,9 +143,9 @@ class ModelRunner:
         row = 0
         for idx in inputs.order:
             row_starts[idx] = row
-            row += len(plan.chunks[idx].token_ids)
-        # Rows to project to the vocabulary: the last token of every sampling chunk, plus every
-        # token of chunks that want prompt logprobs.
+            row += plan.chunks[idx].num_query_tokens
+        # Rows to project to the vocabulary: the last token of every sampling chunk (and each of
+        # its drafts), plus every token of chunks that want prompt logprobs.
         wanted: list[int] = []
         sample_rows: list[int] = []
         prompt_rows: list[tuple[int, int, int]] = []
@@ -159,6 +160,9 @@ class ModelRunner:
                 else:
                     sample_rows.append(len(wanted))
                     wanted.append(start + n - 1)
+                for j in range(len(chunk.draft_token_ids)):
+                    sample_rows.append(len(wanted))
+                    wanted.append(start + n + j)
         logit_idx = torch.tensor(wanted, dtype=torch.long, device=self.device)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metas,
                             self.backend, logit_idx)
@@ -167,13 +171,37 @@ class ModelRunner:
                           prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows})
 
     def _sample(self, plan: StepPlan, logits: StepLogits) -> RunnerOutput:
+        """Sample every sampling chunk's sequences. A chunk with drafts samples each of its
+        positions as if the drafts before it were the sequence's outputs (their penalties,
+        bans and seeded draws are those a plain decode would have at that position), then
+        keeps the drafts its samples agree with and the first sample that disagrees. For a
+        draft that is a single token, this is rejection sampling: the token at each position
+        has the target distribution, and a seeded request gets the tokens it gets without
+        speculation."""
         out = RunnerOutput()
         rows: list[int] = []
         seq_ids: list[int] = []
-        for row, chunk in enumerate(c for c in plan.chunks if c.sample_seq_ids):
+        histories: list[list[int]] = []
+        spec: list[tuple[int, int, list[int]]] = []  # (seq_id, first row, drafts)
+        row = 0
+        for chunk in plan.chunks:
+            if not chunk.sample_seq_ids:
+                continue
+            if chunk.draft_token_ids:
+                assert chunk.sample_seq_ids == (chunk.seq_id,), "drafts on a fan-out chunk"
+                tokens, drafts = self.batch.seqs[chunk.seq_id].token_ids, chunk.draft_token_ids
+                spec.append((chunk.seq_id, len(seq_ids), drafts))
+                for j in range(len(drafts) + 1):
+                    rows.append(row + j)
+                    seq_ids.append(chunk.seq_id)
+                    histories.append(tokens + drafts[:j] if j else tokens)
+                row += len(drafts) + 1
+                continue
             for seq_id in chunk.sample_seq_ids:
                 rows.append(row)
                 seq_ids.append(seq_id)
+                histories.append(self.batch.seqs[seq_id].token_ids)
+            row += 1
         if seq_ids:
             states = [self.batch.seqs[s] for s in seq_ids]
             grammar = None
@@ -182,7 +210,7 @@ class ModelRunner:
                 grammar = ([row_of[s] for s in plan.grammar_bitmask.seq_ids],
                            plan.grammar_bitmask.pending.result())
             meta = SamplingMetadata.from_params(
-                [s.params for s in states], [s.token_ids for s in states],
+                [s.params for s in states], histories,
                 [s.num_prompt_tokens for s in states], self.config.vocab_size,
                 indices=[s.index for s in states], device=self.device, grammar=grammar,
             )
@@ -199,11 +227,18 @@ class ModelRunner:
             result = self.sampler(logits.sample[index], meta, custom)
             if procs:
                 procs.record(seq_ids, result.sampled_token_ids)
-            for seq_id, token, lp in zip(seq_ids, result.sampled_token_ids, result.logprobs,
-                                         strict=True):
+            tokens_of, logprobs_of = result.sampled_token_ids, result.logprobs
+            for seq_id, token, lp in zip(seq_ids, tokens_of, logprobs_of, strict=True):
                 out.sampled_token_ids[seq_id] = [token]
                 if lp is not None:
                     out.logprobs[seq_id] = [lp]
+            for seq_id, first, drafts in spec:
+                kept = accept_drafts(drafts, tokens_of[first : first + len(drafts) + 1])
+                out.sampled_token_ids[seq_id] = kept
+                if logprobs_of[first] is not None:
+                    out.logprobs[seq_id] = logprobs_of[first : first + len(kept)]
+                # the runner knows the tokens whose K/V it wrote: the accepted drafts
+                self.batch.seqs[seq_id].token_ids.extend(drafts[: len(kept) - 1])
         for chunk in plan.chunks:
             if chunk.prompt_logprobs:
                 state = self.batch.seqs[chunk.seq_id]

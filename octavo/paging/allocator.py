@@ -53,7 +53,10 @@ class KVAllocator(Protocol):
         *,
         reserve_tokens: int | None = None,
         final_tokens: int | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> NewBlocks | None: ...
+
+    def accept_lookahead(self, seq_id: int, num_accepted: int) -> None: ...
 
     def fork(self, parent_id: int, child: KVSeq) -> None: ...
 

@@ -25,6 +25,7 @@ class _Run:
     start: int
     num_blocks: int
     final_tokens: int | None
+    lookahead: int = 0  # draft-token slots of a speculative step, until accept_lookahead
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,11 +94,14 @@ class ContiguousAllocator:
         *,
         reserve_tokens: int | None = None,
         final_tokens: int | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> NewBlocks | None:
         """A new sequence reserves its whole buffer now (first fit), or gets None. Later calls
         never allocate: they succeed inside the reservation and return None past it, where no
         amount of freeing helps. `final_tokens`, when known (benchmarks know it), lets stats
-        tell slots that will never be used (internal) from ones still to come (reserved)."""
+        tell slots that will never be used (internal) from ones still to come (reserved).
+        `num_lookahead_tokens`: draft-token slots after the new tokens (see KVCacheManager);
+        here they only have to fit the reservation."""
         run = self._runs.get(seq.seq_id)
         end = seq.num_computed_tokens + num_new_tokens
         if num_new_tokens < 0 or end > len(seq.token_ids):
@@ -111,10 +115,15 @@ class ContiguousAllocator:
             if cached is not None:
                 raise ValueError(f"sequence {seq.seq_id} already has blocks: no cached prefix "
                                  "to add")
-            if end > run.num_blocks * self.block_size:
+            if run.lookahead:
+                raise ValueError(f"sequence {seq.seq_id} still holds lookahead slots")
+            if end + num_lookahead_tokens > run.num_blocks * self.block_size:
                 return None  # it outgrew its reservation
             seq.num_computed_tokens = end
+            run.lookahead = num_lookahead_tokens
             return NewBlocks(run.num_blocks, [])
+        if num_lookahead_tokens:
+            raise ValueError(f"sequence {seq.seq_id}: lookahead slots need KV blocks already")
         if seq.num_computed_tokens:
             raise ValueError(f"sequence {seq.seq_id} counts computed tokens but has no blocks")
         n = self._reservation_blocks(num_new_tokens, reserve_tokens)
@@ -133,6 +142,21 @@ class ContiguousAllocator:
         self._runs[seq.seq_id] = _Run(seq, start, n, final_tokens)
         seq.num_computed_tokens = end
         return NewBlocks(0, list(range(start, start + n)))
+
+    def accept_lookahead(self, seq_id: int, num_accepted: int) -> None:
+        """The first `num_accepted` lookahead slots now hold known tokens (see KVCacheManager);
+        the reservation keeps the rest."""
+        run = self._runs.get(seq_id)
+        if run is None:
+            return
+        if not 0 <= num_accepted <= run.lookahead:
+            raise ValueError(f"sequence {seq_id}: {num_accepted} accepted of {run.lookahead} "
+                             "lookahead slots")
+        end = run.seq.num_computed_tokens + num_accepted
+        if end > len(run.seq.token_ids):
+            raise ValueError(f"sequence {seq_id}: {num_accepted} accepted tokens are not known")
+        run.seq.num_computed_tokens = end
+        run.lookahead = 0
 
     def fork(self, parent_id: int, child: KVSeq) -> None:
         raise NotImplementedError(

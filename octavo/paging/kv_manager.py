@@ -41,6 +41,9 @@ class _Seq:
     swapped: bool = False
     # per group: entries below this are None (freed out of the window), so trimming is O(1)
     trimmed: list[int] = field(default_factory=list)
+    # slots handed out past the known tokens for draft tokens (speculative decoding), until
+    # accept_lookahead says how many of them the step's verification kept
+    lookahead: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -259,9 +262,15 @@ class KVCacheManager:
         *,
         reserve_tokens: int | None = None,
         final_tokens: int | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> NewBlocks | None:
         """Give the next `num_new_tokens` known tokens of `seq` their slots, or return None (and
         change nothing the caller can see) when the free blocks do not suffice.
+
+        `num_lookahead_tokens` more slots after them hold draft tokens a speculative step
+        verifies (a started sequence only): their blocks are handed out, but they count as
+        neither computed nor filled, and nothing is cached for them, until accept_lookahead
+        keeps the accepted ones and gives the rest back.
 
         A sequence's first call starts its block tables: `cached` (from get_computed_blocks,
         None to compute everything, as prompt logprobs need) is reused and `num_new_tokens`
@@ -272,15 +281,47 @@ class KVCacheManager:
         hints for the contiguous baseline; paging reserves nothing ahead.
         """
         state = self._seqs.get(seq.seq_id)
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
         if state is None:
+            if num_lookahead_tokens:
+                raise ValueError(f"sequence {seq.seq_id}: lookahead slots need KV blocks "
+                                 "already (a sequence that decodes)")
             return self._start(seq, num_new_tokens, cached)
+        if state.lookahead:
+            raise ValueError(f"sequence {seq.seq_id} still holds {state.lookahead} lookahead "
+                             "slots: accept_lookahead first")
         if state.seq is not seq:
             raise ValueError(f"sequence id {seq.seq_id} already has KV blocks")
         if cached is not None:
             raise ValueError(f"sequence {seq.seq_id} already has blocks: no cached prefix to add")
         if state.swapped:
             raise ValueError(f"sequence {seq.seq_id} is swapped out; swap it in first")
-        return self._grow(state, num_new_tokens)
+        return self._grow(state, num_new_tokens, num_lookahead_tokens)
+
+    def accept_lookahead(self, seq_id: int, num_accepted: int) -> None:
+        """The verification of a speculative step kept the first `num_accepted` draft tokens,
+        now appended to the sequence's tokens: their slots (written by that step) count as
+        computed and full blocks are cached; the other lookahead slots go back, and with them
+        every block past the computed tokens. A sequence freed meanwhile is ignored."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return
+        seq = state.seq
+        if not 0 <= num_accepted <= state.lookahead:
+            raise ValueError(f"sequence {seq_id}: {num_accepted} accepted of "
+                             f"{state.lookahead} lookahead slots")
+        end = self._checked_end(seq, seq.num_computed_tokens, num_accepted)
+        self._check_hashes(seq, end)
+        state.lookahead = 0
+        self._fill(state, end)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(state)
+        keep = _cdiv(end, self.block_size)
+        for table in state.blocks:
+            tail = table[keep:]
+            del table[keep:]
+            self.block_pool.free(blk for blk in reversed(tail) if blk is not None)
 
     def _new_blocks(self, state: _Seq, starts: list[int]) -> NewBlocks:
         null = self.null_block_id
@@ -329,16 +370,16 @@ class KVCacheManager:
                 self.prefix_cache_hit_tokens += num_cached
         return self._new_blocks(state, [0] * self.num_groups)
 
-    def _grow(self, state: _Seq, num_new_tokens: int) -> NewBlocks | None:
+    def _grow(self, state: _Seq, num_new_tokens: int, lookahead: int = 0) -> NewBlocks | None:
         seq, pool, bs = state.seq, self.block_pool, self.block_size
         end = self._checked_end(seq, seq.num_computed_tokens, num_new_tokens)
         self._check_hashes(seq, end)
-        if num_new_tokens == 0:
+        if num_new_tokens == 0 and lookahead == 0:
             return self._new_blocks(state, [len(t) for t in state.blocks])
         if self._has_window:
             self._trim(state)  # dead blocks: freeing them is right whatever happens next
         copies = [self._needs_copy_on_write(state, g) for g in range(self.num_groups)]
-        grow = _cdiv(end, bs) - len(state.blocks[0])
+        grow = max(0, _cdiv(end + lookahead, bs) - len(state.blocks[0]))
         if grow * self.num_groups + sum(copies) > pool.num_free_blocks:
             return None
         starts = []
@@ -357,6 +398,7 @@ class KVCacheManager:
                 table.append(pool.get_new_block())
             starts.append(start)
         self._fill(state, end)
+        state.lookahead = lookahead
         if self.enable_prefix_caching:
             self._register_full_blocks(state)
         return self._new_blocks(state, starts)
@@ -392,6 +434,8 @@ class KVCacheManager:
         copies it (see allocate_slots). The child arrives with the parent's tokens, block
         hashes and computed-token count."""
         parent = self._on_gpu(parent_id)
+        if parent.lookahead:
+            raise ValueError(f"sequence {parent_id} holds lookahead slots: accept them first")
         if child.seq_id in self._seqs:
             raise ValueError(f"sequence {child.seq_id} already has KV blocks")
         if child.num_computed_tokens != parent.seq.num_computed_tokens:
@@ -444,6 +488,10 @@ class KVCacheManager:
         copies, or None (nothing moves) when the CPU pool is too small. A block shared inside
         the group is copied once and stays shared; its GPU copy stays prefix-cached."""
         states = self._group(seq_ids, swapped=False)
+        for state in states:
+            if state.lookahead:
+                raise ValueError(f"sequence {state.seq.seq_id} holds lookahead slots: accept "
+                                 "them first")
         for state in states:
             self.free_out_of_window(state.seq.seq_id)  # nothing to carry that nobody reads
         cpu = self.cpu_pool
@@ -639,9 +687,9 @@ class KVCacheManager:
             n_full = computed // bs if self.enable_prefix_caching else 0
             for g, (table, keys) in enumerate(zip(state.blocks, state.chain_keys, strict=True)):
                 where = f"seq {seq_id} group {g}"
-                assert len(table) == _cdiv(computed, bs), (
-                    f"{where}: {len(table)} blocks for {computed} tokens (paging reserves "
-                    "nothing ahead)")
+                assert len(table) == _cdiv(computed + state.lookahead, bs), (
+                    f"{where}: {len(table)} blocks for {computed} tokens and "
+                    f"{state.lookahead} lookahead slots (paging reserves nothing ahead)")
                 live = [blk for blk in table if blk is not None]
                 assert len({id(b) for b in live}) == len(live), (
                     f"{where}: a block appears twice in one block table")
@@ -657,7 +705,7 @@ class KVCacheManager:
                     if blk is None:
                         continue
                     refs[state.swapped][blk.block_id] += 1
-                    expect = min(bs, computed - i * bs)
+                    expect = max(0, min(bs, computed - i * bs))
                     assert blk.num_filled == expect, (
                         f"{where} block {blk.block_id}: {blk.num_filled} slots filled, "
                         f"expected {expect}")
