@@ -33,6 +33,7 @@ BENCHMARKS = {
     "structured": "octavo.bench.structured",
     "cpu": "octavo.bench.cpu_paths",
     "saturation": "octavo.bench.saturation",
+    "spec": "octavo.bench.spec_decode",
 }
 
 

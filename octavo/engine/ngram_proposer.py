@@ -1,7 +1,9 @@
 """N-gram (prompt lookup) proposals for speculative decoding.
 
 The draft for a sequence is what followed the latest earlier occurrence of its last n tokens,
-trying the longest n first (vLLM's `ngram` method, after prompt lookup decoding). It costs no
+trying the longest n first (vLLM's `ngram` method, after prompt lookup decoding); where that
+occurrence is closer to the end than k tokens, the copy runs on into itself, so a repeating
+pattern is continued for all k tokens. It costs no
 model call: answers that copy spans of their input (edits, extraction, code, quoting) get long
 drafts that are usually right, free text gets few drafts.
 """
@@ -30,6 +32,12 @@ def propose_ngram(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
             windows = sliding_window_view(tokens[: length - 1], n)
             candidates = candidates[(windows[candidates] == tail).all(axis=1)]
         if candidates.size:
+            # copy what followed; a match close to the end copies on into its own copy
+            # (an overlapping copy, as in LZ77), which continues a repeating pattern
             start = int(candidates[-1]) + n
-            return tokens[start : start + k].tolist()
+            draft = tokens[start : start + k].tolist()
+            period = length - start
+            while len(draft) < k:
+                draft.append(draft[len(draft) - period])
+            return draft
     return []

@@ -168,8 +168,10 @@ class Scheduler:
 
     def _propose(self, seq: Sequence, room: int) -> list[int]:
         """Draft tokens for a decoding sequence (speculative decoding), or []. Beams and
-        constrained sequences never speculate."""
+        constrained sequences never speculate, nor does a prompt about to fork into n samples."""
         if self.speculator is None or seq.grammar is not None or seq.request.beam is not None:
+            return []
+        if needs_fan_out(seq.request):
             return []
         if seq.draft is None:
             seq.draft = DraftState()

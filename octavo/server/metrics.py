@@ -63,6 +63,13 @@ COUNTERS = (
     ("kv_blocks_freed_out_of_window", "kv_blocks_freed_out_of_window",
      "KV blocks handed back because they left a sliding window."),
 )
+# speculative decoding (only when it is on)
+SPEC_COUNTERS = (
+    ("spec_decode_num_drafts", "Drafts verified (one per sequence per step)."),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+)
+PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 
 
 class EngineStatsCollector(Collector):
@@ -88,6 +95,18 @@ class EngineStatsCollector(Collector):
             c = CounterMetricFamily(PREFIX + name, doc, labels=label)
             c.add_metric([self.model_name], float(s.get(key, 0)))
             yield c
+        if "spec_decode_num_drafts" not in s:
+            return
+        for name, doc in SPEC_COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=label)
+            c.add_metric([self.model_name], float(s[name]))
+            yield c
+        c = CounterMetricFamily(PREFIX + PER_POS, "Draft tokens accepted, by position.",
+                                labels=["model_name", "position"])
+        for key, value in s.items():
+            if key.startswith(PER_POS + "_"):
+                c.add_metric([self.model_name, key[len(PER_POS) + 1:]], float(value))
+        yield c
 
 
 class ServerMetrics:

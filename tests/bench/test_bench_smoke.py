@@ -165,3 +165,22 @@ def test_saturation_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) ->
     assert rows["server"]["client_cores_busy"] >= 0
     assert result["results"]["kv_blocks_used_after"] == 0
     assert result["config"]["kernel_path"]["device"] == "cpu"
+
+
+def test_spec_decode_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    argv = ["spec", "--quick", "--threads", "1", "--num-requests", "2", "--model",
+            str(tiny_llama_dir), "--out", str(tmp_path)]
+    assert bench_main(argv) == 0
+    result = _files(tmp_path, "spec_decode")
+    rows = result["results"]["rows"]
+    cases = {r["case"] for r in rows}
+    assert cases == {"grounded", "mixed", "mixed, sampled", "mixed, batch"}
+    for r in rows:
+        assert r["output_tok_s"] > 0
+        if r["way"] == "off":
+            assert r["x_off"] == 1.0 and r["draft_tokens_per_rep"] == 0
+    # greedy and seeded single-stream outputs are the same with and without speculation
+    assert all(result["results"]["same_tokens"][c] for c in ("grounded", "mixed",
+                                                               "mixed, sampled"))
+    assert any(r["draft_tokens_per_rep"] > 0 for r in rows if r["way"] != "off")
+    assert result["config"]["kernel_path"]["device"] == "cpu"

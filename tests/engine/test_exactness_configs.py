@@ -169,3 +169,39 @@ def test_priority_policy_exact(prompts, references):
     priority = [3, 0, 2, 1, 5, 4, 0, 7]
     stats = run_and_check(llm, prompts, references, priority=priority)
     assert stats["num_preemptions"] > 0
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3, "cost_model": False}
+
+
+def assert_speculated(llm: LLM) -> None:
+    s = llm.stats()
+    assert s["spec_decode_num_drafts"] > 0
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_speculative_decoding_batched(prompts, references, block_size):
+    """n-gram drafts verified in the batch (every draft sent: no cost model) give HF's
+    greedy tokens."""
+    llm = LLM(block_size=block_size, num_kv_blocks=4096 // block_size, speculative_config=SPEC)
+    run_and_check(llm, prompts, references)
+    assert_speculated(llm)
+
+
+def test_speculative_decoding_alone(prompts, references):
+    llm = LLM(num_kv_blocks=256, speculative_config=SPEC)
+    for p, ref in zip(prompts, references, strict=True):
+        run_and_check(llm, [p], [ref])
+    assert_speculated(llm)
+
+
+def test_speculative_decoding_with_preemption_and_chunked_prefill(prompts, references):
+    llm = tight_llm(16, 23, preemption_mode="recompute", max_num_batched_tokens=64,
+                    speculative_config=SPEC)
+    steps = StepRecorder(llm)
+    stats = run_and_check(llm, prompts, references)
+    assert stats["num_preemptions"] > 0
+    assert max(steps.step_tokens) <= 64
+    assert_speculated(llm)

@@ -1,5 +1,6 @@
 """Randomized engine runs on the tiny random-weight model: random arrivals, aborts, n, prompt
-sharing, in tiny memory, with both preemption modes and prefix caching on. The KV manager's
+sharing, in tiny memory, with both preemption modes and prefix caching on, with and without
+speculative decoding (n-gram drafts accepted and rejected). The KV manager's
 invariants hold after every step, every block returns to the pool, and the greedy and seeded
 outputs of the requests that finished equal those of a roomy engine that never preempts."""
 
@@ -56,17 +57,24 @@ def reference_llm(tiny_llama_dir) -> LLM:
                max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
 
 
-CASES = [(mode, bs, seed) for seed in range(6) for mode in ("recompute", "swap") for bs in (1, 8)]
+# speculative decoding: n-gram drafts on every decode that finds one (no cost model), so
+# accepted and rejected drafts mix with aborts, preemption and chunked prefill
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2, "cost_model": False}
+CASES = [(mode, bs, seed, spec) for spec in (False, True) for seed in range(6)
+         for mode in ("recompute", "swap") for bs in (1, 8)]
 
 
-@pytest.mark.parametrize("mode,block_size,seed", CASES,
-                         ids=[f"{m}-bs{b}-seed{s}" for m, b, s in CASES])
-def test_random_engine_run(tiny_llama_dir, reference_llm, mode, block_size, seed):
+@pytest.mark.parametrize("mode,block_size,seed,spec", CASES,
+                         ids=[f"{m}-bs{b}-seed{s}{'-spec' if sp else ''}"
+                              for m, b, s, sp in CASES])
+def test_random_engine_run(tiny_llama_dir, reference_llm, mode, block_size, seed, spec):
     rng = random.Random(seed)
     llm = LLM(str(tiny_llama_dir), block_size=block_size,
               num_kv_blocks=CAPACITY // block_size, max_model_len=MAX_MODEL_LEN,
               max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
-              enable_prefix_caching=True, preemption_mode=mode)
+              enable_prefix_caching=True, preemption_mode=mode,
+              speculative_config=SPEC if spec else None)
     engine, kv = llm.engine, llm.engine.kv
     prefixes = [[rng.randrange(3, 256) for _ in range(40)] for _ in range(3)]
     submitted: dict[str, Submitted] = {}
@@ -109,6 +117,8 @@ def test_random_engine_run(tiny_llama_dir, reference_llm, mode, block_size, seed
     assert stats["num_preemptions"] > 0, "tiny memory: the run should preempt"
     assert stats["prefix_cache_hit_tokens"] > 0
     assert len(aborted) >= 2
+    if spec:
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
 
     # outputs of finished greedy / seeded requests equal a roomy engine's
     ids = [rid for rid in finished if submitted[rid].kind != "random"]

@@ -22,7 +22,8 @@ from octavo.model.draft_acceptance import accept_drafts
 def test_ngram_proposes_what_followed_the_latest_earlier_occurrence():
     tokens = [1, 2, 3, 7, 1, 2, 3, 8, 9, 1, 2, 3]
     assert propose_ngram(tokens, 2, 1, 3) == [8, 9]  # the latest earlier (1, 2, 3)
-    assert propose_ngram(tokens, 10, 3, 3) == [8, 9, 1, 2, 3]  # up to the end of the tokens
+    # past the end of the tokens the copy runs on into itself: the pattern repeats
+    assert propose_ngram(tokens, 7, 3, 3) == [8, 9, 1, 2, 3, 8, 9]
 
 
 def test_ngram_prefers_the_longest_match():
@@ -39,8 +40,9 @@ def test_ngram_returns_nothing_without_a_match_or_room():
     assert propose_ngram([1, 2, 3, 1, 2], 3, 3, 4) == []  # (3, 1, 2) never occurred before
 
 
-def test_ngram_on_a_repeated_token():
-    assert propose_ngram([5, 5, 5, 5], 3, 1, 2) == [5]
+def test_ngram_continues_a_repeating_pattern():
+    assert propose_ngram([5, 5, 5, 5], 3, 1, 2) == [5, 5, 5]
+    assert propose_ngram([0, 1, 2, 1, 2], 5, 1, 2) == [1, 2, 1, 2, 1]
 
 
 # -- acceptance --------------------------------------------------------------------------------
@@ -175,3 +177,21 @@ def test_speculation_with_custom_logits_processors_is_refused():
     with pytest.raises(EngineArgsError, match="logits_processors"):
         from_kwargs(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
                     logits_processors=("pkg.mod:Proc",))
+
+
+def test_speculative_config_flag_parses_json():
+    import argparse
+
+    from octavo.engine_args import add_cli_args, from_cli_args
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_cli_args(parser)
+    ns = parser.parse_args(["--speculative-config",
+                            '{"method": "ngram", "num_speculative_tokens": 2}'])
+    args = from_cli_args(ns)
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(argparse.ArgumentError, match="not JSON"):
+        parser.parse_args(["--speculative-config", "{method: ngram}"])
+    with pytest.raises(EngineArgsError, match="--speculative-config: method 'x'"):
+        from_cli_args(parser.parse_args(["--speculative-config",
+                                         '{"method": "x", "num_speculative_tokens": 2}']))
