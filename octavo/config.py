@@ -181,9 +181,9 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft")
 _SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min",
-                     "prompt_lookup_max", "cost_model")
+                     "prompt_lookup_max", "num_draft_layers", "cost_model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +193,10 @@ class SpeculativeConfig:
     `ngram` (prompt lookup) proposes the `num_speculative_tokens` tokens that followed the
     latest earlier occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down
     to `prompt_lookup_min` (vLLM's defaults: one given sets the other; neither: both 5).
+    `draft_model` drafts with a smaller model of the same vocabulary (`model`: its directory
+    or installed name) over its own paged KV cache, greedily.
+    `self_draft` (octavo's) drafts with the target's own first `num_draft_layers` layers and
+    its LM head (default: a quarter of the layers), for a model with no smaller sibling.
     `cost_model` (octavo's): per sequence, speculate only as far as its acceptance rate pays
     for the extra tokens a step computes (False: always propose the full k).
     """
@@ -202,6 +206,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     cost_model: bool = True
+    num_draft_layers: int | None = None
+    model: str | None = None  # the draft model (draft_model)
+
+    @property
+    def drafts_in_runner(self) -> bool:
+        """The runner proposes the drafts (a model drafts them); else the scheduler does."""
+        return self.method != "ngram"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
@@ -216,9 +227,13 @@ class SpeculativeConfig:
         if method is None:
             raise ValueError("'method' must be given (ngram)")
         if method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"method {method!r} is not supported (supported: "
-                f"{', '.join(SPECULATIVE_METHODS)}; draft models are not implemented yet)")
+            raise ValueError(f"method {method!r} is not supported (supported: "
+                             f"{', '.join(SPECULATIVE_METHODS)})")
+        model = d.get("model")
+        if method == "draft_model" and not isinstance(model, str):
+            raise ValueError("method 'draft_model' needs 'model': the draft model's directory")
+        if method != "draft_model":
+            model = None
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"'num_speculative_tokens' must be an int >= 1, got {k!r}")
@@ -234,7 +249,13 @@ class SpeculativeConfig:
         cost = d.get("cost_model", True)
         if not isinstance(cost, bool):
             raise ValueError(f"'cost_model' must be true or false, got {cost!r}")
-        return cls(method, k, lo, hi, cost)
+        layers = d.get("num_draft_layers")
+        if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool)
+                                   or layers < 1):
+            raise ValueError(f"'num_draft_layers' must be an int >= 1, got {layers!r}")
+        if layers is not None and method != "self_draft":
+            raise ValueError("'num_draft_layers' is for method 'self_draft'")
+        return cls(method, k, lo, hi, cost, layers, model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,11 +48,14 @@ class SeqChunk:
     sample_seq_ids: tuple[int, ...] = ()
     # Logprobs of the prompt tokens this chunk predicts (SamplingParams.prompt_logprobs).
     prompt_logprobs: bool = False
-    # Speculative decoding: tokens proposed to follow `token_ids` (a decode of one known token
-    # that samples only itself). They are computed after it, at the lookahead slots the KV
-    # manager handed out; the runner samples at each of them and keeps the longest run of
-    # drafts its samples agree with, plus the first sample that disagrees (or one past them).
+    # Speculative decoding: `num_draft_tokens` tokens proposed to follow `token_ids` (a decode
+    # of one known token that samples only itself), computed after it at the lookahead slots
+    # the KV manager handed out. The scheduler's proposer (n-gram) gives them in
+    # `draft_token_ids`; where a model drafts, the runner proposes them (RunnerOutput says
+    # which). The runner samples at each position and keeps the longest run of drafts its
+    # samples agree with, plus the first sample that disagrees (or the one past them).
     draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
 
     @property
     def context_len(self) -> int:
@@ -62,7 +65,7 @@ class SeqChunk:
     @property
     def num_query_tokens(self) -> int:
         """Tokens the forward pass computes for this chunk: the known ones and the drafts."""
-        return len(self.token_ids) + len(self.draft_token_ids)
+        return len(self.token_ids) + self.num_draft_tokens
 
 
 @dataclass(slots=True)
@@ -71,11 +74,13 @@ class GrammarBitmask:
 
     `pending` resolves (on the engine's grammar thread, while the forward pass runs) to a
     uint8 array [len(seq_ids), vocab]: entry [r, t] is 1 when token t is allowed for sequence
-    seq_ids[r].
+    seq_ids[r] at draft position positions[r] (0: the next token; j: after its chunk's first
+    j draft tokens).
     """
 
     seq_ids: list[int]
     pending: Future
+    positions: list[int] = field(default_factory=list)  # empty: all 0
 
 
 @dataclass(slots=True)
@@ -116,3 +121,5 @@ class RunnerOutput:
     logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
     # seq_id -> logprobs of the prompt tokens this step's chunk predicted
     prompt_logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
+    # seq_id -> the draft tokens the runner proposed (a drafting model) and verified
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)

@@ -56,6 +56,8 @@ class LLMEngine:
         self.kv = make_kv_manager(args, blocks.num_blocks, blocks.num_host_blocks,
                                   self.max_model_len, self.model_config)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
+        if self.scheduler.speculator is not None and self.runner.drafter is not None:
+            self.scheduler.speculator.draft_token_share = self.runner.drafter.share
         caching = args.enable_prefix_caching and args.kv_allocator == "paged"
         hasher = BlockHasher(args.block_size) if caching else None
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)

@@ -133,20 +133,18 @@ class Scheduler:
 
     def _schedule_running(self, request: Request, plan: StepPlan, budget: int) -> int:
         slots: list[Slot] = []
-        drafts: dict[int, list[int]] = {}
+        drafts: dict[int, tuple[list[int], int]] = {}
         for seq in request.live_seqs:
-            left = budget - sum(s[2] for s in slots) - sum(map(len, drafts.values()))
+            left = budget - sum(s[2] for s in slots) - sum(d[1] for d in drafts.values())
             n = min(seq.num_new_tokens, left)
             if n <= 0:
                 continue
             start = seq.num_computed_tokens
             new = None
-            draft = self._propose(seq, left - 1) if n == seq.num_new_tokens == 1 else []
-            if draft:
-                new = self.kv.allocate_slots(seq, n, num_lookahead_tokens=len(draft))
-                if new is None:  # no blocks for the drafts: decode without them
-                    draft = []
-                else:
+            draft = self._propose(seq, left - 1) if n == seq.num_new_tokens == 1 else ([], 0)
+            if draft[1]:
+                new = self.kv.allocate_slots(seq, n, num_lookahead_tokens=draft[1])
+                if new is not None:  # else no blocks for the drafts: decode without them
                     drafts[seq.seq_id] = draft
             if new is None:
                 new = self.kv.allocate_slots(seq, n)
@@ -163,22 +161,29 @@ class Scheduler:
                 break
             slots.append((seq, start, n, new))
         for slot in slots:
-            self._emit(request, *slot, plan, drafts.get(slot[0].seq_id, []))
-        return budget - sum(s[2] for s in slots) - sum(map(len, drafts.values()))
+            self._emit(request, *slot, plan, drafts.get(slot[0].seq_id))
+        return budget - sum(s[2] for s in slots) - sum(d[1] for d in drafts.values())
 
-    def _propose(self, seq: Sequence, room: int) -> list[int]:
-        """Draft tokens for a decoding sequence (speculative decoding), or []. Beams and
-        constrained sequences never speculate, nor does a prompt about to fork into n samples."""
-        if self.speculator is None or seq.grammar is not None or seq.request.beam is not None:
-            return []
-        if needs_fan_out(seq.request):
-            return []
+    def _propose(self, seq: Sequence, room: int) -> tuple[list[int], int]:
+        """(draft tokens, number of drafts) for a decoding sequence (speculative decoding; a
+        drafting model's tokens come from the runner). Beams never speculate, nor does a
+        prompt about to fork into n samples; a constrained sequence keeps only drafts its
+        grammar takes (and gets none from a drafting model: its masks are computed ahead)."""
+        spec = self.speculator
+        if spec is None or seq.request.beam is not None or needs_fan_out(seq.request):
+            return [], 0
+        if seq.grammar is not None and spec.config.drafts_in_runner:
+            return [], 0
         if seq.draft is None:
             seq.draft = DraftState()
         mt = seq.request.params.max_tokens
         if mt is not None:  # the step yields up to drafts + 1 tokens; no draft past max_tokens
             room = min(room, mt - seq.num_output_tokens - 1)
-        return self.speculator.propose(seq.draft, seq.token_ids, room)
+        tokens, k = spec.propose(seq.draft, seq.token_ids, room)
+        if seq.grammar is not None and tokens:
+            tokens = tokens[: seq.grammar.validate_tokens(tokens)]
+            k = len(tokens)
+        return tokens, k
 
     def _admit_outranking(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, int]:
         """Priority policy: before `request` is scheduled, admit the waiting requests that
@@ -290,7 +295,7 @@ class Scheduler:
         return done
 
     def _emit(self, request: Request, seq: Sequence, start: int, n: int, new: NewBlocks,
-              plan: StepPlan, drafts: list[int] | None = None) -> None:
+              plan: StepPlan, drafts: tuple[list[int], int] | None = None) -> None:
         """Put one sequence's chunk in the plan (and, the first time, the sequence itself)."""
         self._sync_runner(seq, new, plan)
         sample: tuple[int, ...] = ()
@@ -307,8 +312,9 @@ class Scheduler:
             and seq.index == 0
             and start + 1 < seq.num_prompt_tokens
         )
+        tokens, num_drafts = drafts or ([], 0)
         plan.chunks.append(SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start,
-                                    sample, wants_prompt_logprobs, drafts or []))
+                                    sample, wants_prompt_logprobs, tokens, num_drafts))
 
     def _sync_runner(self, seq: Sequence, new: NewBlocks | None, plan: StepPlan) -> None:
         """Tell the runner about a sequence it does not hold yet (all of it), or about the block
@@ -400,9 +406,8 @@ class Scheduler:
                 else:
                     update(request).seqs.append(self._append(sampled, tokens, logprobs))
                     if sampled.draft is not None and self.speculator is not None:
-                        self.speculator.record(sampled.draft, len(chunk.draft_token_ids),
-                                               tokens)
-                if chunk.draft_token_ids:  # the accepted drafts' slots are computed tokens
+                        self.speculator.record(sampled.draft, chunk.num_draft_tokens, tokens)
+                if chunk.num_draft_tokens:  # the accepted drafts' slots are computed tokens
                     self.kv.accept_lookahead(seq_id, len(tokens) - 1)
         for request in beam_requests.values():
             if all(b.seq_id in request.beam.pending for b in request.live_seqs):

@@ -42,6 +42,7 @@ class DraftState:
     accepted: float = 0.0  # decayed count of accepted draft tokens
     tested: float = 0.0  # decayed count of draft tokens verified (accepted or the one rejected)
     shadow: int | None = None  # first token of a draft not sent this step, to check
+    idle: int = 0  # steps since it last drafted (a model's drafts are probed now and then)
 
     @property
     def alpha(self) -> float:
@@ -128,28 +129,46 @@ class SpecDecodeStats:
         return s
 
 
+PROBE_EVERY = 16  # a sequence a model has stopped drafting for gets one draft this often
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.cost = StepCostModel()
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        # what drafting one token costs beyond verifying it, in tokens of a step: a drafting
+        # model's share of the target's layers (the engine sets it; n-gram drafting is free)
+        self.draft_token_share = 0.0
 
-    def propose(self, state: DraftState, token_ids: list[int], room: int) -> list[int]:
-        """The drafts a decoding sequence with `token_ids` carries this step; `room`: draft
-        tokens it may take (the step's token budget, max_tokens and max_model_len left)."""
+    def propose(self, state: DraftState, token_ids: list[int], room: int
+                ) -> tuple[list[int], int]:
+        """(draft tokens, number of drafts) a decoding sequence with `token_ids` carries this
+        step: n-gram drafts are proposed here; a drafting model's are left to the runner
+        (no tokens, only their number). `room`: draft tokens it may take (the step's token
+        budget, max_tokens and max_model_len left)."""
         c = self.config
         state.shadow = None
         max_k = min(c.num_speculative_tokens, room, self.max_model_len - len(token_ids))
         if max_k < 1:
-            return []
+            return [], 0
+        if c.drafts_in_runner:
+            if not c.cost_model:
+                return [], max_k
+            cost = self.cost.draft_token_cost() + self.draft_token_share
+            k = best_num_drafts(state.alpha, max_k, cost)
+            state.idle = 0 if k else state.idle + 1
+            if k == 0 and state.idle % PROBE_EVERY == 0:  # keep its acceptance rate fresh
+                k = 1
+            return [], k
         draft = propose_ngram(token_ids, max_k, c.prompt_lookup_min, c.prompt_lookup_max)
         if not draft or not c.cost_model:
-            return draft
+            return draft, len(draft)
         k = best_num_drafts(state.alpha, len(draft), self.cost.draft_token_cost())
         if k == 0:
             state.shadow = draft[0]
-        return draft[:k]
+        return draft[:k], k
 
     def record(self, state: DraftState, num_drafts: int, sampled: list[int]) -> None:
         """A step's verification: `sampled` are the tokens the sequence got (the accepted

@@ -167,13 +167,19 @@ class StructuredOutputs:
         """Start computing the allowed tokens of every constrained sequence sampling in this
         plan; the runner collects the result. None when no sampling sequence is constrained."""
         rows: list[int] = []
-        matchers: list[Any] = []
+        positions: list[int] = []
+        jobs: list[tuple[Any, int, list[int]]] = []  # (matcher, first row, drafts)
         for chunk in plan.chunks:
             for seq_id in chunk.sample_seq_ids:
                 m = seqs[seq_id].grammar
                 if m is not None:
-                    rows.append(seq_id)
-                    matchers.append(m)
+                    # speculative decoding: one row per draft position as well, each the
+                    # mask after the drafts before it (the scheduler kept only drafts the
+                    # grammar takes)
+                    drafts = chunk.draft_token_ids if seq_id == chunk.seq_id else []
+                    jobs.append((m, len(rows), list(drafts)))
+                    rows.extend([seq_id] * (len(drafts) + 1))
+                    positions.extend(range(len(drafts) + 1))
         if not rows:
             return None
         if self._pool is None:
@@ -181,15 +187,18 @@ class StructuredOutputs:
 
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="octavo-grammar")
             self._executor = llguidance.LLExecutor()
-        pending: Future = self._pool.submit(self._fill, matchers)
-        return GrammarBitmask(seq_ids=rows, pending=pending)
+        pending: Future = self._pool.submit(self._fill, jobs, len(rows))
+        return GrammarBitmask(seq_ids=rows, pending=pending, positions=positions)
 
-    def _fill(self, matchers: list[Any]) -> np.ndarray:
+    def _fill(self, jobs: list[tuple[Any, int, list[int]]], num_rows: int) -> np.ndarray:
         import llguidance.numpy as lln
 
-        mask = np.full((len(matchers), self.num_words), -1, dtype=np.int32)
-        lln.fill_next_token_bitmask_par(self._executor,
-                                        [(m, i) for i, m in enumerate(matchers)], mask)
+        mask = np.full((num_rows, self.num_words), -1, dtype=np.int32)
+        if any(drafts for _, _, drafts in jobs):  # leaves the matchers as they were
+            lln.fill_next_token_bitmask_par_with_draft_tokens(self._executor, jobs, mask)
+        else:
+            lln.fill_next_token_bitmask_par(self._executor, [(m, i) for m, i, _ in jobs],
+                                            mask)
         # one byte per token (1 = allowed), unpacked here too, off the sampler's path
         allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")
         return np.ascontiguousarray(allowed[:, : self.vocab_size])

@@ -50,8 +50,11 @@ def cuda_kv_budget(device: torch.device, utilization: float,
 
 
 def size_kv_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
-                   device: torch.device, mem_get_info: MemInfo | None = None) -> KVBlockCounts:
-    block_bytes = KVCache.bytes_per_block(config, args.block_size, dtype)
+                   device: torch.device, mem_get_info: MemInfo | None = None,
+                   extra_block_bytes: int = 0) -> KVBlockCounts:
+    """`extra_block_bytes`: what each block costs beyond the target's K/V (a draft model's
+    cache, which has the same blocks)."""
+    block_bytes = KVCache.bytes_per_block(config, args.block_size, dtype) + extra_block_bytes
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
     else:

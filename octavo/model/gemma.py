@@ -141,6 +141,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         metas: list[AttentionMetadata],
         backend: AttentionBackend,
         logit_indices: torch.Tensor,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
@@ -149,7 +150,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if self.local_rope and any(self.local):
             local_cos, local_sin = self._local_rotary(positions.device)(positions, x.dtype)
         group = kv_cache.groups.layer_group
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             k_cache, v_cache = kv_cache.layer(i)
             c, s = (local_cos, local_sin) if self.local[i] else (cos, sin)
             x = layer(x, c, s, k_cache, v_cache, metas[group[i]], backend)

@@ -48,12 +48,13 @@ class LlamaForCausalLM(nn.Module):
         metas: list[AttentionMetadata],  # one per KV cache group
         backend: AttentionBackend,
         logit_indices: torch.Tensor,  # [S] rows whose logits are wanted
+        num_layers: int | None = None,  # only the first layers (self-drafting); None: all
     ) -> torch.Tensor:  # [S, vocab] float32
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype, fp32_rows=self.norm.ops is not None)
         residual = None
         group = kv_cache.groups.layer_group
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             k_cache, v_cache = kv_cache.layer(i)
             x, residual = layer(x, residual, cos, sin, k_cache, v_cache, metas[group[i]],
                                 backend)

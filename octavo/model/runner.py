@@ -10,29 +10,32 @@ fit, `init_kv_cache(n)` allocates them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from octavo.config import ModelConfig
+from octavo.config import ModelConfig, SpeculativeConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.attention import get_backend
 from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
 from octavo.model.cpu_ops import select_cpu_ops
 from octavo.model.draft_acceptance import accept_drafts
+from octavo.model.draft_model import DraftModelDrafter
 from octavo.model.dtype_policy import DTYPES, resolve_isa_and_dtype
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
 from octavo.model.layers import RotaryEmbedding
 from octavo.model.linear import PackedLinear, pack_linears
 from octavo.model.llama import LlamaForCausalLM
+from octavo.model.loader import resolve_model_dir
 from octavo.model.logits_processor import LogitsProcessors
 from octavo.model.registry import model_class
 from octavo.model.sampler import Sampler, compute_logprobs
 from octavo.model.sampling_metadata import SamplingMetadata
-from octavo.step_plan import RunnerOutput, StepPlan
+from octavo.model.self_draft import SelfDrafter
+from octavo.step_plan import RunnerOutput, SeqChunk, StepPlan
 
 __all__ = ["DTYPES", "ModelRunner", "load_model"]
 logger = logging.getLogger(__name__)
@@ -73,6 +76,9 @@ class StepLogits:
     sample: torch.Tensor
     # seq_id -> [num_tokens, vocab] for chunks that want prompt logprobs
     prompt: dict[int, torch.Tensor]
+    # the plan as computed: with the drafts the runner proposed filled in
+    plan: StepPlan | None = None
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> those drafts
 
 
 class ModelRunner:
@@ -94,6 +100,18 @@ class ModelRunner:
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
         self.kv_cache: KVCache | None = None
+        spec = (None if args.speculative_config is None
+                else SpeculativeConfig.from_dict(args.speculative_config))
+        self.drafter: SelfDrafter | DraftModelDrafter | None = None
+        if spec is not None and spec.method == "self_draft":
+            self.drafter = SelfDrafter(self.model, spec.num_draft_layers)
+        elif spec is not None and spec.method == "draft_model":
+            assert spec.model is not None
+            draft_dir = resolve_model_dir(spec.model)
+            draft_config = ModelConfig.from_dir(draft_dir)
+            draft = load_model(draft_dir, draft_config, self.dtype, self.device, max_positions,
+                               args.linear_backend, args.fused_ops, isa)
+            self.drafter = DraftModelDrafter(draft, draft_config, self.model, config)
         logger.info("kernels: %s (dtype: %s)", self.kernel_path(), self.dtype_choice.reason)
 
     def kernel_path(self) -> dict[str, str]:
@@ -112,17 +130,25 @@ class ModelRunner:
     # ---- start-up -------------------------------------------------------------------------
     def size_kv_blocks(self, mem_get_info: MemInfo | None = None) -> KVBlockCounts:
         """Blocks for the device and the host; on CUDA from the memory left after the weights."""
-        return size_kv_blocks(self.args, self.config, self.dtype, self.device, mem_get_info)
+        extra = 0
+        if isinstance(self.drafter, DraftModelDrafter):  # its cache has the target's blocks
+            extra = KVCache.bytes_per_block(self.drafter.config, self.block_size, self.dtype)
+        return size_kv_blocks(self.args, self.config, self.dtype, self.device, mem_get_info,
+                              extra_block_bytes=extra)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv_cache = KVCache(self.config, num_blocks, self.block_size, self.dtype,
                                 self.device, num_host_blocks)
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
         logits = self.forward(plan)
-        return self._sample(plan, logits)
+        out = self._sample(logits.plan or plan, logits)
+        out.draft_token_ids = logits.drafts
+        return out
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -132,12 +158,20 @@ class ModelRunner:
         self.batch.apply(plan)
         for seq_id in plan.finished_seq_ids:
             self.logits_processors.forget(seq_id)
+        if self.drafter is not None:
+            for seq_id in plan.finished_seq_ids + [n.seq_id for n in plan.new_seqs]:
+                self.drafter.forget(seq_id)
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
         self.kv_cache.copy_blocks(plan.block_copies)
         if not plan.chunks:
             empty = torch.empty(0, self.config.vocab_size, device=self.device)
             return StepLogits(sample=empty, prompt={})
+        drafts: dict[int, list[int]] = {}
+        if self.drafter is not None and any(c.num_draft_tokens for c in plan.chunks):
+            drafts = self.drafter.propose(plan.chunks, self.batch, self.kv_cache, self.backend)
+            plan = replace(plan, chunks=[replace(c, draft_token_ids=drafts[c.seq_id])
+                                         if c.seq_id in drafts else c for c in plan.chunks])
         inputs = self.batch.prepare(plan.chunks)
         row_starts: dict[int, int] = {}
         row = 0
@@ -160,7 +194,7 @@ class ModelRunner:
                 else:
                     sample_rows.append(len(wanted))
                     wanted.append(start + n - 1)
-                for j in range(len(chunk.draft_token_ids)):
+                for j in range(chunk.num_draft_tokens):
                     sample_rows.append(len(wanted))
                     wanted.append(start + n + j)
         logit_idx = torch.tensor(wanted, dtype=torch.long, device=self.device)
@@ -168,7 +202,8 @@ class ModelRunner:
                             self.backend, logit_idx)
         sampled = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         return StepLogits(sample=sampled,
-                          prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows})
+                          prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows},
+                          plan=plan, drafts=drafts)
 
     def _sample(self, plan: StepPlan, logits: StepLogits) -> RunnerOutput:
         """Sample every sampling chunk's sequences. A chunk with drafts samples each of its
@@ -181,8 +216,9 @@ class ModelRunner:
         out = RunnerOutput()
         rows: list[int] = []
         seq_ids: list[int] = []
+        positions: list[int] = []  # draft position of each row (0: the next token)
         histories: list[list[int]] = []
-        spec: list[tuple[int, int, list[int]]] = []  # (seq_id, first row, drafts)
+        spec: list[tuple[SeqChunk, int]] = []  # (chunk with drafts, its first row)
         row = 0
         for chunk in plan.chunks:
             if not chunk.sample_seq_ids:
@@ -190,25 +226,29 @@ class ModelRunner:
             if chunk.draft_token_ids:
                 assert chunk.sample_seq_ids == (chunk.seq_id,), "drafts on a fan-out chunk"
                 tokens, drafts = self.batch.seqs[chunk.seq_id].token_ids, chunk.draft_token_ids
-                spec.append((chunk.seq_id, len(seq_ids), drafts))
+                spec.append((chunk, len(seq_ids)))
                 for j in range(len(drafts) + 1):
                     rows.append(row + j)
                     seq_ids.append(chunk.seq_id)
+                    positions.append(j)
                     histories.append(tokens + drafts[:j] if j else tokens)
                 row += len(drafts) + 1
                 continue
             for seq_id in chunk.sample_seq_ids:
                 rows.append(row)
                 seq_ids.append(seq_id)
+                positions.append(0)
                 histories.append(self.batch.seqs[seq_id].token_ids)
             row += 1
         if seq_ids:
             states = [self.batch.seqs[s] for s in seq_ids]
             grammar = None
             if plan.grammar_bitmask is not None:  # computed while the forward ran
-                row_of = {s: r for r, s in enumerate(seq_ids)}
-                grammar = ([row_of[s] for s in plan.grammar_bitmask.seq_ids],
-                           plan.grammar_bitmask.pending.result())
+                gb = plan.grammar_bitmask
+                row_of = {key: r for r, key in enumerate(zip(seq_ids, positions, strict=True))}
+                grammar = ([row_of[key] for key in zip(
+                    gb.seq_ids, gb.positions or [0] * len(gb.seq_ids), strict=True)],
+                    gb.pending.result())
             meta = SamplingMetadata.from_params(
                 [s.params for s in states], histories,
                 [s.num_prompt_tokens for s in states], self.config.vocab_size,
@@ -232,13 +272,16 @@ class ModelRunner:
                 out.sampled_token_ids[seq_id] = [token]
                 if lp is not None:
                     out.logprobs[seq_id] = [lp]
-            for seq_id, first, drafts in spec:
+            for chunk, first in spec:
+                seq_id, drafts = chunk.seq_id, chunk.draft_token_ids
                 kept = accept_drafts(drafts, tokens_of[first : first + len(drafts) + 1])
                 out.sampled_token_ids[seq_id] = kept
                 if logprobs_of[first] is not None:
                     out.logprobs[seq_id] = logprobs_of[first : first + len(kept)]
                 # the runner knows the tokens whose K/V it wrote: the accepted drafts
                 self.batch.seqs[seq_id].token_ids.extend(drafts[: len(kept) - 1])
+                if self.drafter is not None:
+                    self.drafter.accepted(seq_id, chunk.context_len - 1, len(kept) - 1)
         for chunk in plan.chunks:
             if chunk.prompt_logprobs:
                 state = self.batch.seqs[chunk.seq_id]

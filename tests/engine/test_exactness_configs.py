@@ -205,3 +205,13 @@ def test_speculative_decoding_with_preemption_and_chunked_prefill(prompts, refer
     assert stats["num_preemptions"] > 0
     assert max(steps.step_tokens) <= 64
     assert_speculated(llm)
+
+
+def test_self_draft_batched(prompts, references):
+    """Drafts from the model's own first 8 layers, every one sent (no cost model)."""
+    llm = LLM(num_kv_blocks=256, speculative_config={
+        "method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 8,
+        "cost_model": False})
+    run_and_check(llm, prompts, references)
+    s = llm.stats()
+    assert s["spec_decode_num_draft_tokens"] > 0

@@ -206,3 +206,99 @@ def test_drafts_without_free_blocks_are_dropped_not_preempting(tiny_llama_dir):
     for rid in list(engine.requests):
         engine.abort_request(rid)
     assert_pool_empty(llm)
+
+
+SELF = {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 1,
+        "cost_model": False}
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_self_draft_gives_plain_decodings_tokens(tiny_llama_dir, block_size):
+    """Drafts from the target's first layer and LM head, verified in the batch: greedy and
+    seeded outputs as without speculation, blocks all back."""
+    kw = dict(block_size=block_size, num_kv_blocks=4096 // block_size, max_model_len=128)
+    plain = LLM(str(tiny_llama_dir), **kw)
+    spec = LLM(str(tiny_llama_dir), speculative_config=SELF, **kw)
+    rng = random.Random(5)
+    prompts = repetitive_prompts(rng, 6)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=30, ignore_eos=True, logprobs=1)
+        for s in range(3)]
+    want = plain.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+    got = spec.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, f"prompt {i}"
+    stats = spec_stats(spec)
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert_pool_empty(spec)
+
+
+def test_self_draft_layers_must_leave_a_layer_to_verify(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"num_draft_layers must be in \[1, 1\]"):
+        LLM(str(tiny_llama_dir), speculative_config={**SELF, "num_draft_layers": 2})
+
+
+def draft_config(model_dir) -> dict:
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3,
+            "cost_model": False}
+
+
+@pytest.fixture(scope="module")
+def small_draft_dir(tmp_path_factory):
+    from tests.conftest import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), num_hidden_layers=1,
+                            hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                            num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_draft_model_gives_plain_decodings_tokens(tiny_llama_dir, small_draft_dir,
+                                                    block_size):
+    """A smaller model of the same vocabulary drafts over its own paged KV cache (the
+    target's block tables): greedy and seeded outputs as without speculation, batched, with
+    a prefix shared between requests and with n > 1."""
+    kw = dict(block_size=block_size, num_kv_blocks=4096 // block_size, max_model_len=128)
+    plain = LLM(str(tiny_llama_dir), **kw)
+    spec = LLM(str(tiny_llama_dir), speculative_config=draft_config(small_draft_dir), **kw)
+    rng = random.Random(8)
+    prompts = repetitive_prompts(rng, 4)
+    prompts += [prompts[0] + [7, 8, 9], prompts[0][:-2]]  # prefix-cache hits
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=30, ignore_eos=True, n=2)
+        for s in range(3)]
+    want = plain.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+    got = spec.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        for a, b in zip(w.outputs, g.outputs, strict=True):
+            assert b.token_ids == a.token_ids, f"prompt {i}"
+    assert spec_stats(spec)["spec_decode_num_draft_tokens"] > 0
+    assert_pool_empty(spec)
+
+
+def test_the_target_as_its_own_draft_model_is_always_right(tiny_llama_dir):
+    """With the target itself as the draft model, greedy drafts are the target's own tokens:
+    every one is accepted, which only holds if the draft cache's frontier, catch-up and
+    lookahead positions are right, through preemption and chunked prefill too."""
+    llm = LLM(str(tiny_llama_dir), block_size=8, num_kv_blocks=24, max_model_len=96,
+              max_num_batched_tokens=32, speculative_config=draft_config(tiny_llama_dir))
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(10, 50))] for _ in range(6)]
+    outs = llm.generate([tokens_prompt(p) for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["spec_decode_num_draft_tokens"] > 30
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.97 * stats["spec_decode_num_draft_tokens"]
+    assert_pool_empty(llm)
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_llama_dir, tmp_path):
+    from tests.conftest import build_tiny_llama
+
+    other = build_tiny_llama(tmp_path / "other", vocab_size=300)
+    with pytest.raises(ValueError, match=r"vocabulary \(300\) differs from the target's"):
+        LLM(str(tiny_llama_dir), speculative_config=draft_config(other))

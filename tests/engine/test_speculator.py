@@ -105,15 +105,15 @@ def test_speculator_turns_off_and_back_on_with_acceptance():
     state = DraftState()
     tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
     # prior alpha 0.5: a third draft token still gains 0.125 - 0.07, a fourth would not
-    assert spec.propose(state, tokens, room=10) == [3, 4, 1]
+    assert spec.propose(state, tokens, room=10) == ([3, 4, 1], 3)
     for _ in range(15):  # every draft rejected
         spec.record(state, 4, [9])
-    assert spec.propose(state, tokens, room=10) == []
+    assert spec.propose(state, tokens, room=10)[0] == []
     assert state.shadow == 3  # what it would have proposed first
     for _ in range(8):  # it would have been right each time
         spec.propose(state, tokens, room=10)
         spec.record(state, 0, [3])
-    assert spec.propose(state, tokens, room=10) != []
+    assert spec.propose(state, tokens, room=10)[0] != []
     stats = spec.stats.as_stats()
     assert stats["spec_decode_num_drafts"] == 15
     assert stats["spec_decode_num_draft_tokens"] == 60
@@ -134,9 +134,22 @@ def test_speculator_counts_accepted_tokens_by_position():
 def test_speculator_respects_room_and_max_model_len():
     spec = Speculator(SpeculativeConfig("ngram", 4, 1, 1, cost_model=False), max_model_len=11)
     tokens = [1, 2, 3, 4, 5, 6, 7, 1]
-    assert spec.propose(DraftState(), tokens, room=2) == [2, 3]
-    assert spec.propose(DraftState(), tokens, room=10) == [2, 3, 4]  # positions 8..10
-    assert spec.propose(DraftState(), tokens, room=0) == []
+    assert spec.propose(DraftState(), tokens, room=2) == ([2, 3], 2)
+    assert spec.propose(DraftState(), tokens, room=10) == ([2, 3, 4], 3)  # positions 8..10
+    assert spec.propose(DraftState(), tokens, room=0) == ([], 0)
+
+
+def test_a_drafting_model_gets_a_number_of_drafts_and_probes_when_off():
+    config = SpeculativeConfig("self_draft", 4, cost_model=True, num_draft_layers=2)
+    spec = Speculator(config, max_model_len=1000)
+    spec.draft_token_share = 0.25
+    state = DraftState()
+    # alpha 0.5, a draft token costing 0.25 + 0.05: one draft gains 0.2, a second would not
+    assert spec.propose(state, [1, 2, 3], room=10) == ([], 1)
+    for _ in range(30):
+        spec.record(state, 2, [9])  # always rejected
+    ks = [spec.propose(state, [1, 2, 3], room=10)[1] for _ in range(32)]
+    assert ks.count(1) == 2 and set(ks) == {0, 1}  # off, but probed every 16 steps
 
 
 # -- config --------------------------------------------------------------------------------------
@@ -156,7 +169,9 @@ def test_config_follows_vllm_defaults():
     ({"method": "ngram"}, "'num_speculative_tokens' must be an int >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "must be an int >= 1"),
     ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle' is not supported"),
-    ({"model": "some/draft", "num_speculative_tokens": 3}, "'draft_model' is not supported"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "num_draft_layers": 2},
+     "'num_draft_layers' is for method 'self_draft'"),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4,
       "prompt_lookup_max": 2}, "must be <= 'prompt_lookup_max'"),
     ({"method": "ngram", "num_speculative_tokens": 3, "lookup": 2}, "unknown key 'lookup'"),

@@ -381,6 +381,24 @@ def test_preemption_chunked_prefill_block_sizes(roomy_reference, config):
     assert_idle(small)
 
 
+def test_speculative_decoding_keeps_constrained_outputs(roomy_reference):
+    """n-gram drafts for constrained sequences: only drafts the grammar takes are sent, each
+    draft position samples under the mask after the drafts before it, and every output equals
+    the roomy engine's token for token (greedy and seeded), valid and finished 'stop'."""
+    prompts, params, kinds, batch, _ = roomy_reference
+    spec = _build(num_kv_blocks=ROOMY_BLOCKS, block_size=16, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3, "cost_model": False})
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    for kind, out, ref in zip(kinds, outs, batch, strict=True):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and check_valid(kind, c.text), (kind, c.text)
+        assert c.token_ids == ref.token_ids, (kind, c.text, ref.text)
+    stats = spec.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert_idle(spec)
+
+
 def test_greedy_constrained_deterministic(llm, tok):
     """The same greedy constrained requests twice, in different batch company: same tokens."""
     prompts, params, kinds = preemption_requests(tok)
