@@ -90,9 +90,10 @@ class OutputProcessor:
             text = state.seqs[seq.seq_id] = _SeqText(
                 detok, logprobs=[] if params.logprobs is not None else None)
         lps = logprobs or [None] * len(tokens)
-        if len(tokens) > 1 and params.stop and params.detokenize:
-            # several tokens in one step (speculative decoding): a stop string may end the
-            # text at any of them, and the tokens after it were never output
+        if len(tokens) > 1 and params.detokenize:
+            # several tokens in one step (speculative decoding), checked one by one as plain
+            # decoding would: a stop string may end the text at any of them (the tokens after
+            # it were never output), and an EOS or stop token hides only its own text
             for i in range(len(tokens)):
                 last = i == len(tokens) - 1
                 num_out = seq.num_output_tokens - (len(tokens) - 1 - i)

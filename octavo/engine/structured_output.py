@@ -194,11 +194,13 @@ class StructuredOutputs:
         import llguidance.numpy as lln
 
         mask = np.full((num_rows, self.num_words), -1, dtype=np.int32)
-        if any(drafts for _, _, drafts in jobs):  # leaves the matchers as they were
-            lln.fill_next_token_bitmask_par_with_draft_tokens(self._executor, jobs, mask)
-        else:
-            lln.fill_next_token_bitmask_par(self._executor, [(m, i) for m, i, _ in jobs],
-                                            mask)
+        plain = [(m, i) for m, i, drafts in jobs if not drafts]
+        if plain:
+            lln.fill_next_token_bitmask_par(self._executor, plain, mask)
+        speculative = [job for job in jobs if job[2]]
+        if speculative:  # rows after each draft; the matchers are left as they were
+            lln.fill_next_token_bitmask_par_with_draft_tokens(self._executor, speculative,
+                                                              mask)
         # one byte per token (1 = allowed), unpacked here too, off the sampler's path
         allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")
         return np.ascontiguousarray(allowed[:, : self.vocab_size])

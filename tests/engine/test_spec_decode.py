@@ -302,3 +302,25 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_llama_dir, tmp_path):
     other = build_tiny_llama(tmp_path / "other", vocab_size=300)
     with pytest.raises(ValueError, match=r"vocabulary \(300\) differs from the target's"):
         LLM(str(tiny_llama_dir), speculative_config=draft_config(other))
+
+
+def test_eos_inside_a_multi_token_step_hides_only_its_own_text(pair):
+    """Sampled outputs over a few tokens and EOS, with drafts: where EOS ends a step of
+    several tokens, the text keeps the tokens before it, as plain decoding's does."""
+    plain, spec = pair
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, skip_special_tokens=False,
+                             allowed_token_ids=[5, 6, 7, 2], logit_bias={2: -1.5})
+              for s in range(40)]
+    want = plain.generate([tokens_prompt(prompt)] * len(params), params, use_tqdm=False)
+    before = spec_stats(spec)["spec_decode_num_accepted_tokens"]
+    got = spec.generate([tokens_prompt(prompt)] * len(params), params, use_tqdm=False)
+    assert spec_stats(spec)["spec_decode_num_accepted_tokens"] > before
+    ended = 0
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].text == w.outputs[0].text
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+        ended += w.outputs[0].finish_reason == "stop"
+    assert ended > 10
+    assert_pool_empty(spec)
