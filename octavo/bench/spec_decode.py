@@ -12,7 +12,9 @@ Cases, each run with every way in turn inside each repeat (interleaved, medians 
   token costs nearly a whole token of compute there, so the cost model must hold drafting back.
 
 Ways: `off` (no speculation), `ngram` (the cost model on, the default) and, where the cost
-model matters, `ngram, no cost model` (every draft found is sent). Single-stream requests run
+model matters, `ngram, no cost model` (every draft found is sent); on `grounded` also
+`self_draft` (the model's first quarter of layers and its LM head drafting 4 tokens, with the
+cost model), for a model with no smaller sibling. Single-stream requests run
 one after another; output tok/s counts every output token over the wall time (prefill
 included), decode tok/s the tokens after the first over the time after the first. Greedy and
 seeded outputs must be identical across the ways; the table says whether they were.
@@ -34,7 +36,9 @@ from octavo.sampling_params import SamplingParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}
-WAYS = {"off": None, "ngram": SPEC, "ngram, no cost model": {**SPEC, "cost_model": False}}
+SELF_DRAFT = {"method": "self_draft", "num_speculative_tokens": 4}
+WAYS = {"off": None, "ngram": SPEC, "ngram, no cost model": {**SPEC, "cost_model": False},
+        "self_draft": SELF_DRAFT}
 GOAL_GROUNDED = 2.0  # x off, single stream
 GOAL_NO_LOSS = 0.97  # x off where speculation cannot help
 
@@ -117,16 +121,17 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         "grounded": {"prompts": grounded_prompts(first, n_single, 300 if tiny else 1500),
                      "params": [SamplingParams(temperature=0, max_tokens=opts.pick(48, 256),
                                                detokenize=False)] * n_single,
-                     "ways": ("off", "ngram"), "goal": GOAL_GROUNDED},
+                     "ways": ("off", "ngram", "self_draft"), "goal": GOAL_GROUNDED},
         "mixed": {"prompts": mixed_prompts, "params": [greedy] * n_single,
-                  "ways": tuple(WAYS), "goal": GOAL_NO_LOSS},
+                  "ways": ("off", "ngram", "ngram, no cost model"), "goal": GOAL_NO_LOSS},
         "mixed, sampled": {
             "prompts": mixed_prompts,
             "params": [SamplingParams(temperature=1.0, seed=opts.seed + i, max_tokens=out_len,
                                       ignore_eos=True, detokenize=False)
                        for i in range(n_single)],
-            "ways": tuple(WAYS), "goal": GOAL_NO_LOSS},
-        "mixed, batch": {"workload": batch, "ways": tuple(WAYS), "goal": GOAL_NO_LOSS},
+            "ways": ("off", "ngram", "ngram, no cost model"), "goal": GOAL_NO_LOSS},
+        "mixed, batch": {"workload": batch, "ways": ("off", "ngram", "ngram, no cost model"),
+                         "goal": GOAL_NO_LOSS},
     }
     warm = cases["grounded"]
     for llm in llms.values():
@@ -173,7 +178,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     kernel = first.engine.runner.kernel_path()
     md = [
         f"{dtype}, {opts.threads} threads, prefix caching off, median of {repeats} "
-        f"interleaved repeats. Speculation: `{SPEC}`. Kernel path: `{kernel}`.",
+        f"interleaved repeats. Speculation: `{SPEC}`; self_draft: `{SELF_DRAFT}`. "
+        f"Kernel path: `{kernel}`.",
         "",
         md_table(["case", "way", "output tok/s", "x off", "decode tok/s", "draft tokens",
                   "accepted", "goal", "runs"],
@@ -191,6 +197,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     result = BenchResult(
         "spec_decode", opts.command,
         {"dtype": dtype, "threads": opts.threads, "repeats": repeats, "speculative": SPEC,
+         "self_draft": SELF_DRAFT,
          "single_stream_requests": n_single, "output_len": out_len,
          "mixed": mixed.describe(), "batch": batch.describe(), "kernel_path": kernel},
         {"rows": rows, "samples": samples, "same_tokens": same},

@@ -43,6 +43,7 @@ class DraftState:
     tested: float = 0.0  # decayed count of draft tokens verified (accepted or the one rejected)
     shadow: int | None = None  # first token of a draft not sent this step, to check
     idle: int = 0  # steps since it last drafted (a model's drafts are probed now and then)
+    probe_every: int = 0  # steps between probes: PROBE_EVERY, doubling while they fail
 
     @property
     def alpha(self) -> float:
@@ -129,7 +130,10 @@ class SpecDecodeStats:
         return s
 
 
-PROBE_EVERY = 16  # a sequence a model has stopped drafting for gets one draft this often
+# a sequence a model has stopped drafting for gets one draft after this many steps, then
+# after twice as many while the probes keep failing, up to PROBE_MAX
+PROBE_EVERY = 16
+PROBE_MAX = 256
 
 
 class Speculator:
@@ -158,10 +162,15 @@ class Speculator:
                 return [], max_k
             cost = self.cost.draft_token_cost() + self.draft_token_share
             k = best_num_drafts(state.alpha, max_k, cost)
-            state.idle = 0 if k else state.idle + 1
-            if k == 0 and state.idle % PROBE_EVERY == 0:  # keep its acceptance rate fresh
-                k = 1
-            return [], k
+            if k:
+                state.idle, state.probe_every = 0, PROBE_EVERY
+                return [], k
+            state.idle += 1
+            state.probe_every = state.probe_every or PROBE_EVERY
+            if state.idle >= state.probe_every:  # keep its acceptance rate fresh, ever less
+                state.idle, state.probe_every = 0, min(2 * state.probe_every, PROBE_MAX)
+                return [], 1
+            return [], 0
         draft = propose_ngram(token_ids, max_k, c.prompt_lookup_min, c.prompt_lookup_max)
         if not draft or not c.cost_model:
             return draft, len(draft)
