@@ -51,9 +51,10 @@ class SeqChunk:
     # Speculative decoding: `num_draft_tokens` tokens proposed to follow `token_ids` (a decode
     # of one known token that samples only itself), computed after it at the lookahead slots
     # the KV manager handed out. The scheduler's proposer (n-gram) gives them in
-    # `draft_token_ids`; where a model drafts, the runner proposes them (RunnerOutput says
-    # which). The runner samples at each position and keeps the longest run of drafts its
-    # samples agree with, plus the first sample that disagrees (or the one past them).
+    # `draft_token_ids`; where a model drafts, the runner proposes them itself (the
+    # scheduler needs only how many it kept: the tokens it gets). The runner samples at each
+    # position and keeps the longest run of drafts its samples agree with, plus the first
+    # sample that disagrees (or the one past them).
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
 
@@ -121,5 +122,3 @@ class RunnerOutput:
     logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
     # seq_id -> logprobs of the prompt tokens this step's chunk predicted
     prompt_logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
-    # seq_id -> the draft tokens the runner proposed (a drafting model) and verified
-    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)

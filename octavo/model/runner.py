@@ -10,7 +10,7 @@ fit, `init_kv_cache(n)` allocates them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -78,7 +78,6 @@ class StepLogits:
     prompt: dict[int, torch.Tensor]
     # the plan as computed: with the drafts the runner proposed filled in
     plan: StepPlan | None = None
-    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> those drafts
 
 
 class ModelRunner:
@@ -100,19 +99,25 @@ class ModelRunner:
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
         self.kv_cache: KVCache | None = None
-        spec = (None if args.speculative_config is None
-                else SpeculativeConfig.from_dict(args.speculative_config))
-        self.drafter: SelfDrafter | DraftModelDrafter | None = None
-        if spec is not None and spec.method == "self_draft":
-            self.drafter = SelfDrafter(self.model, spec.num_draft_layers)
-        elif spec is not None and spec.method == "draft_model":
-            assert spec.model is not None
-            draft_dir = resolve_model_dir(spec.model)
-            draft_config = ModelConfig.from_dir(draft_dir)
-            draft = load_model(draft_dir, draft_config, self.dtype, self.device, max_positions,
-                               args.linear_backend, args.fused_ops, isa)
-            self.drafter = DraftModelDrafter(draft, draft_config, self.model, config)
+        self.drafter = self._make_drafter(max_positions, isa)
         logger.info("kernels: %s (dtype: %s)", self.kernel_path(), self.dtype_choice.reason)
+
+    def _make_drafter(self, max_positions: int, isa: str | None
+                      ) -> SelfDrafter | DraftModelDrafter | None:
+        """What proposes drafts in the runner (speculative decoding by a model), or None."""
+        if self.args.speculative_config is None:
+            return None
+        spec = SpeculativeConfig.from_dict(self.args.speculative_config)
+        if spec.method == "self_draft":
+            return SelfDrafter(self.model, spec.num_draft_layers)
+        if spec.method != "draft_model":
+            return None  # n-gram: the scheduler proposes
+        assert spec.model is not None
+        draft_dir = resolve_model_dir(spec.model)
+        draft_config = ModelConfig.from_dir(draft_dir)
+        draft = load_model(draft_dir, draft_config, self.dtype, self.device, max_positions,
+                           self.args.linear_backend, self.args.fused_ops, isa)
+        return DraftModelDrafter(draft, draft_config, self.model, self.config)
 
     def kernel_path(self) -> dict[str, str]:
         """Which kernels this runner took (benchmarks record it next to the CPU's flags):
@@ -146,9 +151,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
         logits = self.forward(plan)
-        out = self._sample(logits.plan or plan, logits)
-        out.draft_token_ids = logits.drafts
-        return out
+        return self._sample(logits.plan or plan, logits)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -167,7 +170,6 @@ class ModelRunner:
         if not plan.chunks:
             empty = torch.empty(0, self.config.vocab_size, device=self.device)
             return StepLogits(sample=empty, prompt={})
-        drafts: dict[int, list[int]] = {}
         if self.drafter is not None and any(c.num_draft_tokens for c in plan.chunks):
             drafts = self.drafter.propose(plan.chunks, self.batch, self.kv_cache, self.backend)
             plan = replace(plan, chunks=[replace(c, draft_token_ids=drafts[c.seq_id])
@@ -203,7 +205,7 @@ class ModelRunner:
         sampled = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         return StepLogits(sample=sampled,
                           prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows},
-                          plan=plan, drafts=drafts)
+                          plan=plan)
 
     def _sample(self, plan: StepPlan, logits: StepLogits) -> RunnerOutput:
         """Sample every sampling chunk's sequences. A chunk with drafts samples each of its
