@@ -173,9 +173,14 @@ class EngineArgs:
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
             scheduling_policy=self.scheduling_policy,
-            speculative=(None if self.speculative_config is None
-                         else SpeculativeConfig.from_dict(self.speculative_config)),
+            speculative=self.speculative(),
         )
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative_config (validated at construction)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def replace(self, **changes: Any) -> EngineArgs:
         return from_kwargs(**{**self.as_dict(), **changes})

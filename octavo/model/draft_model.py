@@ -19,6 +19,7 @@ import torch
 
 from octavo.config import ModelConfig
 from octavo.model.attention.base import AttentionBackend
+from octavo.model.draft_decode import greedy_decode
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
 from octavo.step_plan import SeqChunk
@@ -90,11 +91,8 @@ class DraftModelDrafter:
             active = [c for c in want if c.num_draft_tokens > j]
             steps = [SeqChunk(c.seq_id, [drafts[c.seq_id][-1]], c.context_len - 1 + j)
                      for c in active]
-            inputs = batch.prepare(steps)  # all decodes: rows stay in order
-            logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache,
-                                inputs.metas, backend,
-                                torch.arange(len(steps), device=device))
-            for c, token in zip(active, logits.argmax(dim=-1).tolist(), strict=True):
+            tokens = greedy_decode(self.model, steps, batch, self.kv_cache, backend)
+            for c, token in zip(active, tokens, strict=True):
                 drafts[c.seq_id].append(token)
                 self.frontier[c.seq_id] = c.context_len + j
         return drafts

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from octavo.config import ModelConfig, SpeculativeConfig
+from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.attention import get_backend
 from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
@@ -77,7 +77,7 @@ class StepLogits:
     # seq_id -> [num_tokens, vocab] for chunks that want prompt logprobs
     prompt: dict[int, torch.Tensor]
     # the plan as computed: with the drafts the runner proposed filled in
-    plan: StepPlan | None = None
+    plan: StepPlan
 
 
 class ModelRunner:
@@ -105,9 +105,9 @@ class ModelRunner:
     def _make_drafter(self, max_positions: int, isa: str | None
                       ) -> SelfDrafter | DraftModelDrafter | None:
         """What proposes drafts in the runner (speculative decoding by a model), or None."""
-        if self.args.speculative_config is None:
+        spec = self.args.speculative()
+        if spec is None:
             return None
-        spec = SpeculativeConfig.from_dict(self.args.speculative_config)
         if spec.method == "self_draft":
             return SelfDrafter(self.model, spec.num_draft_layers)
         if spec.method != "draft_model":
@@ -151,7 +151,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
         logits = self.forward(plan)
-        return self._sample(logits.plan or plan, logits)
+        return self._sample(logits.plan, logits)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -169,7 +169,7 @@ class ModelRunner:
         self.kv_cache.copy_blocks(plan.block_copies)
         if not plan.chunks:
             empty = torch.empty(0, self.config.vocab_size, device=self.device)
-            return StepLogits(sample=empty, prompt={})
+            return StepLogits(sample=empty, prompt={}, plan=plan)
         if self.drafter is not None and any(c.num_draft_tokens for c in plan.chunks):
             drafts = self.drafter.propose(plan.chunks, self.batch, self.kv_cache, self.backend)
             plan = replace(plan, chunks=[replace(c, draft_token_ids=drafts[c.seq_id])

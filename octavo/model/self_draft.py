@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from octavo.model.attention.base import AttentionBackend
+from octavo.model.draft_decode import greedy_decode
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
 from octavo.step_plan import SeqChunk
@@ -49,15 +50,12 @@ class SelfDrafter:
         drafts: dict[int, list[int]] = {c.seq_id: [] for c in want}
         last = {c.seq_id: c.token_ids[-1] for c in want}
         pos = {c.seq_id: c.context_len - 1 for c in want}
-        device = batch.device
         for j in range(max((c.num_draft_tokens for c in want), default=0)):
             active = [c.seq_id for c in want if c.num_draft_tokens > j]
             rows = [SeqChunk(s, [last[s]], pos[s] + j) for s in active]
-            inputs = batch.prepare(rows)  # all decodes: rows stay in order
-            logits = self.model(inputs.input_ids, inputs.positions, kv_cache, inputs.metas,
-                                backend, torch.arange(len(rows), device=device),
-                                num_layers=self.num_layers)
-            for s, token in zip(active, logits.argmax(dim=-1).tolist(), strict=True):
+            tokens = greedy_decode(self.model, rows, batch, kv_cache, backend,
+                                   num_layers=self.num_layers)
+            for s, token in zip(active, tokens, strict=True):
                 drafts[s].append(token)
                 last[s] = token
         return drafts
