@@ -26,6 +26,13 @@ def spec_stats(llm: LLM) -> dict:
     return {k: v for k, v in llm.stats().items() if k.startswith("spec_decode")}
 
 
+def generate_both(plain: LLM, spec: LLM, prompts: list[list[int]], params):
+    """The same requests without and with speculation."""
+    inputs = [tokens_prompt(p) for p in prompts]
+    return (plain.generate(inputs, params, use_tqdm=False),
+            spec.generate(inputs, params, use_tqdm=False))
+
+
 def assert_pool_empty(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0
@@ -123,8 +130,7 @@ def test_stop_strings_cut_a_multi_token_step(pair):
         text = out.outputs[0].text
         params.append(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                                      stop=[text[len(text) // 2 : len(text) // 2 + 2]]))
-    want = plain.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
-    got = spec.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+    want, got = generate_both(plain, spec, prompts, params)
     for w, g in zip(want, got, strict=True):
         assert g.outputs[0].text == w.outputs[0].text
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
@@ -139,8 +145,7 @@ def test_logprobs_n_and_max_tokens(pair):
     prompts = repetitive_prompts(rng, 4)
     params = SamplingParams(temperature=0.8, seed=5, n=3, max_tokens=17, logprobs=2,
                             ignore_eos=True)
-    want = plain.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
-    got = spec.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+    want, got = generate_both(plain, spec, prompts, params)
     for w, g in zip(want, got, strict=True):
         assert len(g.outputs) == 3
         for a, b in zip(w.outputs, g.outputs, strict=True):
@@ -224,8 +229,7 @@ def test_self_draft_gives_plain_decodings_tokens(tiny_llama_dir, block_size):
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + [
         SamplingParams(temperature=1.0, seed=s, max_tokens=30, ignore_eos=True, logprobs=1)
         for s in range(3)]
-    want = plain.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
-    got = spec.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+    want, got = generate_both(plain, spec, prompts, params)
     for i, (w, g) in enumerate(zip(want, got, strict=True)):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids, f"prompt {i}"
     stats = spec_stats(spec)
@@ -268,8 +272,7 @@ def test_a_draft_model_gives_plain_decodings_tokens(tiny_llama_dir, small_draft_
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + [
         SamplingParams(temperature=1.0, seed=s, max_tokens=30, ignore_eos=True, n=2)
         for s in range(3)]
-    want = plain.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
-    got = spec.generate([tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+    want, got = generate_both(plain, spec, prompts, params)
     for i, (w, g) in enumerate(zip(want, got, strict=True)):
         for a, b in zip(w.outputs, g.outputs, strict=True):
             assert b.token_ids == a.token_ids, f"prompt {i}"
