@@ -31,12 +31,14 @@ import queue
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from octavo.engine.engine import LLMEngine, StepFailed
 from octavo.engine.engine_thread import EngineThread
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,14 @@ class _AbortAll:
 
 
 @dataclass(slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread between two steps; its result answers `future`."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+
+
+@dataclass(slots=True)
 class _Stop:
     pass
 
@@ -146,6 +156,7 @@ class AsyncLLMEngine:
         self._loop_done: Future | None = None
         self._accepting = False
         self._pending_adds = 0  # event-loop side: adds enqueued, not yet answered
+        self._pending_calls: set[asyncio.Future] = set()  # event-loop side: call() in transit
         # engine-thread side; read (never written) by the loop: plain values, atomic under GIL
         self._streams: dict[str, RequestStream] = {}
         self._last_token_time: dict[str, float | None] = {}
@@ -180,6 +191,9 @@ class AsyncLLMEngine:
         assert self._loop_done is not None
         with contextlib.suppress(Exception):  # a loop that died has logged why
             await asyncio.wrap_future(self._loop_done)
+        for future in list(self._pending_calls):  # queued behind the stop: never run
+            if not future.done():
+                future.set_exception(RuntimeError("the engine stopped"))
         self._thread.close()
         self._thread = None
 
@@ -241,6 +255,18 @@ class AsyncLLMEngine:
         """engine.stats() as of the end of the engine thread's last iteration."""
         return self._stats
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run on the engine thread between two steps (it must not step or
+        change requests: a read, like kv_map); raises what it raised."""
+        if not self.is_running:
+            raise RuntimeError("the engine is not running")
+        assert self._loop is not None
+        future = self._loop.create_future()
+        self._pending_calls.add(future)
+        future.add_done_callback(self._pending_calls.discard)
+        self._commands.put(_Call(fn, future))
+        return await future
+
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -295,6 +321,13 @@ class AsyncLLMEngine:
             self.engine.abort_request(cmd.request_id)
         elif isinstance(cmd, _AbortAll):
             self._fail_all(cmd.error)
+        elif isinstance(cmd, _Call):
+            try:
+                result = cmd.fn(self.engine)
+            except Exception as e:
+                self._call_soon(_set_exception, cmd.future, e)
+            else:
+                self._call_soon(_set_result, cmd.future, result)
 
     def _step(self) -> None:
         try:

@@ -18,6 +18,7 @@ import time
 
 from octavo.config import ModelConfig
 from octavo.engine.input_processor import InputProcessor, load_tokenizer
+from octavo.engine.kv_map import KVMapper
 from octavo.engine.kv_sizing import check_max_model_len, make_kv_manager, resolve_max_model_len
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.request import Request
@@ -65,6 +66,7 @@ class LLMEngine:
                                               self.max_model_len, hasher, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
+        self._kv_mapper: KVMapper | None = None  # made on the first kv_map() call
 
     @property
     def eos_token_id(self) -> int | None:
@@ -147,6 +149,13 @@ class LLMEngine:
         if sch.speculator is not None:
             s.update(sch.speculator.stats.as_stats())
         return s
+
+    def kv_map(self, contiguous: str | None = "request") -> dict:
+        """The page map now: every block's state, the requests' block tables, stats() and
+        the contiguous layouts of the same traffic (engine/kv_map.py). Call between steps."""
+        if self._kv_mapper is None:
+            self._kv_mapper = KVMapper(self)
+        return self._kv_mapper.snapshot(contiguous)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

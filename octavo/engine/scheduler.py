@@ -268,7 +268,7 @@ class Scheduler:
     def _allocate(self, request: Request, budget: int) -> list[Slot] | None:
         """Blocks for every sequence of a waiting request, or none at all (returns None)."""
         use_cache = request.params.prompt_logprobs is None  # they need every position's logits
-        reserve = request.num_prompt_tokens + self._max_tokens(request)
+        reserve = self.reserve_tokens(request)
         done: list[Slot] = []
         for seq in request.live_seqs:
             cached = self.kv.get_computed_blocks(seq) if use_cache else None
@@ -362,6 +362,10 @@ class Scheduler:
             request.beam.done = True
         request.status = RequestStatus.FINISHED
         self._ignored.append(request)
+
+    def reserve_tokens(self, request: Request) -> int:
+        """Prompt + max_tokens, capped at max_model_len: what a contiguous reservation holds."""
+        return request.num_prompt_tokens + self._max_tokens(request)
 
     def _max_tokens(self, request: Request) -> int:
         limit = self.config.max_model_len - request.num_prompt_tokens

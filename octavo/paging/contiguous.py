@@ -213,6 +213,21 @@ class ContiguousAllocator:
     def usage(self) -> float:
         return (self.num_blocks - self._num_free) / self.num_blocks
 
+    def layout(self) -> str:
+        """One character per block (see kv_map.CONTIGUOUS_STATES): `u` reserved and holding
+        tokens, `r` reserved for later tokens, `x` free in a gap too small for a reservation,
+        `f` free."""
+        bs = self.block_size
+        threshold = self._external_threshold()
+        segments: list[tuple[int, str]] = []
+        for run in self._runs.values():
+            used = min(_cdiv(run.seq.num_computed_tokens, bs), run.num_blocks)
+            segments.append((run.start, "u" * used + "r" * (run.num_blocks - used)))
+        for start, length in self._free:
+            segments.append((start, ("x" if length < threshold else "f") * length))
+        segments.sort()
+        return "".join(cells for _, cells in segments)
+
     def _external_threshold(self) -> int:
         if self.reserve == "max_model_len":
             return _cdiv(self.max_model_len, self.block_size)

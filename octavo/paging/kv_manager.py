@@ -16,7 +16,7 @@ flattened batch does this per layer).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from octavo.paging.allocator import CachedPrefix, NewBlocks
@@ -603,6 +603,26 @@ class KVCacheManager:
         null = self.null_block_id
         return [[null if blk is None else blk.block_id for blk in table]
                 for table in self._on_gpu(seq_id).blocks]
+
+    def held_tables(self, seq_id: int) -> tuple[bool, list[list[int]]] | None:
+        """(swapped, block tables) of a sequence holding blocks, else None: device block ids,
+        or host block ids while swapped out; a freed out-of-window entry reads -1."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return None
+        return state.swapped, [[-1 if blk is None else blk.block_id for blk in table]
+                               for table in state.blocks]
+
+    def tail_blocks(self) -> Iterator[tuple[bool, KVBlock]]:
+        """(swapped, block) for every block a sequence holds past its last full one: the only
+        blocks in use that can be partly filled."""
+        bs = self.block_size
+        for state in self._seqs.values():
+            first = state.seq.num_computed_tokens // bs
+            for table in state.blocks:
+                for blk in table[first:]:
+                    if blk is not None:
+                        yield state.swapped, blk
 
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks

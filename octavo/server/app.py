@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from octavo import __version__
 from octavo.engine.async_engine import AsyncLLMEngine
 from octavo.server.context import ServerConfig, ServerContext
+from octavo.server.dashboard import dashboard_router
 from octavo.server.errors import OpenAIError, install_error_handlers
 from octavo.server.middleware import (
     OPEN_PATHS,
@@ -92,6 +93,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     app.include_router(messages_router(ctx))  # /v1/messages, Anthropic's errors
     app.include_router(responses_router(ctx))  # /v1/responses, GET/DELETE by id
+    app.include_router(dashboard_router(ctx))  # /dashboard, /v1/kv_map (+ /stream)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

@@ -11,6 +11,8 @@ Two sources feed it:
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -70,6 +72,8 @@ SPEC_COUNTERS = (
     ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 )
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+RECENT = 4096  # latest latency observations kept for the dashboard
+RECENT_WINDOW_S = 30.0
 
 
 class EngineStatsCollector(Collector):
@@ -129,6 +133,21 @@ class ServerMetrics:
                           REQUEST_BUCKETS)
         self.success = Counter(PREFIX + "request_success", "Finished requests.",
                                ["model_name", "finished_reason"], registry=self.registry)
+        # the latest observations, (monotonic time, seconds), for the dashboard's gauges
+        self.recent: dict[str, deque[tuple[float, float]]] = {
+            "ttft": deque(maxlen=RECENT), "itl": deque(maxlen=RECENT)}
+
+    def recent_latencies(self, window_s: float = RECENT_WINDOW_S) -> dict[str, float | None]:
+        """Median and p90 of the TTFT and inter-token latencies seen in the last `window_s`
+        seconds (None where none was seen)."""
+        since = time.monotonic() - window_s
+        out: dict[str, float | None] = {}
+        for name, obs in self.recent.items():
+            xs = sorted(v for t, v in list(obs) if t >= since)
+            out[f"{name}_p50_s"] = xs[len(xs) // 2] if xs else None
+            out[f"{name}_p90_s"] = xs[min(len(xs) - 1, int(len(xs) * 0.9))] if xs else None
+            out[f"{name}_count"] = len(xs)
+        return out
 
     def on_output(self, out: RequestOutput, prev_token_time: float | None) -> None:
         """Engine thread: one step's output of one request (prometheus-client is thread-safe)."""
@@ -138,8 +157,10 @@ class ServerMetrics:
         if prev_token_time is None:
             if first is not None and arrival is not None:
                 self.ttft.observe(max(first - arrival, 0.0))
+                self.recent["ttft"].append((time.monotonic(), max(first - arrival, 0.0)))
         elif last is not None and last > prev_token_time:
             self.itl.observe(last - prev_token_time)
+            self.recent["itl"].append((time.monotonic(), last - prev_token_time))
         if out.finished:
             done, scheduled = m.get("finished_time"), m.get("first_scheduled_time")
             if done is not None and arrival is not None:

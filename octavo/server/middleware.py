@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hmac
 import json
+from http.cookies import CookieError, SimpleCookie
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -15,6 +17,11 @@ from octavo.server.errors import error_body
 
 # Liveness probes and Prometheus scrapers carry no key, as in vLLM (unless --protect-metrics).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+# What a browser opens: it cannot add a header, so the key may come as a cookie here
+# (GET only), set by one visit to /dashboard?api_key=KEY (Jupyter's token login).
+DASHBOARD = "/dashboard"
+COOKIE_PATHS = frozenset({DASHBOARD, "/v1/kv_map", "/v1/kv_map/stream"})
+KEY_COOKIE = "octavo_api_key"
 
 
 async def send_error(send: Send, status: int, message: str) -> None:
@@ -48,13 +55,49 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        given = (bearer_token(headers.get(b"authorization", b"")),
-                 headers.get(b"x-api-key", b"").strip())
-        if not any(key and hmac.compare_digest(key, self.expected) for key in given):
+        given = [bearer_token(headers.get(b"authorization", b"")),
+                 headers.get(b"x-api-key", b"").strip()]
+        browser = scope["path"] in COOKIE_PATHS and scope["method"] in ("GET", "HEAD")
+        if browser:
+            given.append(cookie_value(headers.get(b"cookie", b""), KEY_COOKIE))
+            if scope["path"] == DASHBOARD:
+                login = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
+                if login and self.matches(login[0].encode()):
+                    await send_login(send, login[0])
+                    return
+        if not any(self.matches(key) for key in given):
+            hint = (" or open /dashboard?api_key=KEY once in the browser"
+                    if browser else "")
             await send_error(send, 401, "missing or invalid API key (Authorization: Bearer ... "
-                             "or x-api-key)")
+                             f"or x-api-key{hint})")
             return
         await self.app(scope, receive, send)
+
+    def matches(self, key: bytes) -> bool:
+        return bool(key) and hmac.compare_digest(key, self.expected)
+
+
+def cookie_value(header: bytes, name: str) -> bytes:
+    try:
+        morsel = SimpleCookie(header.decode("latin-1")).get(name)
+    except CookieError:
+        return b""
+    return morsel.value.encode("latin-1") if morsel is not None else b""
+
+
+async def send_login(send: Send, key: str) -> None:
+    """303 to the bare page, the key kept as a cookie the page's own requests carry (HttpOnly:
+    no script reads it; SameSite=Strict: no other site's page sends it)."""
+    cookie = SimpleCookie()
+    cookie[KEY_COOKIE] = key
+    morsel = cookie[KEY_COOKIE]
+    morsel["httponly"] = True
+    morsel["samesite"] = "Strict"
+    morsel["path"] = "/"
+    headers = [(b"location", DASHBOARD.encode()), (b"content-length", b"0"),
+               (b"set-cookie", morsel.OutputString().encode("latin-1"))]
+    await send({"type": "http.response.start", "status": 303, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
 
 
 class BodySizeLimitMiddleware:

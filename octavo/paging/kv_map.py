@@ -1,0 +1,84 @@
+"""The page map: every physical KV block's state, for people (the /dashboard) and scripts.
+
+One character per block keeps a snapshot of 10k blocks small and cheap to build and send:
+
+- paged pool (device): `f` free, `u` used by one sequence, `s` shared (ref count > 1), `c`
+  cached: free, but holding a full block the prefix cache can still hit (evicted LRU first);
+- host (swap) pool: `w` holds a swapped-out sequence's block, `f` free;
+- contiguous layout (the baseline, see contiguous.py): `u` reserved and holding tokens, `r`
+  reserved for tokens still to come, `x` free but in a gap too small for another reservation
+  (external fragmentation), `f` free.
+
+The ref counts of shared blocks and the filled slots of partly filled ones come beside the
+states, so a viewer can show the count on a shared block and the internal waste of a partly
+filled one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from operator import attrgetter
+from typing import Any
+
+from octavo.paging.block_pool import BlockPool, KVBlock
+from octavo.paging.kv_manager import KVCacheManager
+
+PAGED_STATES = {"f": "free", "u": "used", "s": "shared", "c": "cached"}
+HOST_STATES = {"f": "free", "w": "swapped"}
+CONTIGUOUS_STATES = {"u": "used", "r": "reserved", "x": "external", "f": "free"}
+
+_REF = attrgetter("ref_cnt")
+# ref count (capped at 255) -> state letter, for bytes.translate
+_PAGED_BY_REF = b"fu" + b"s" * 254
+_HOST_BY_REF = b"f" + b"w" * 255
+
+
+def pool_map(pool: BlockPool, *, host: bool = False,
+             partial: Iterable[KVBlock] = ()) -> dict[str, Any]:
+    """States of every block of `pool` (one character each), with the ref count of each shared
+    block and the filled slots of each block of `partial` (the tails of the sequences: the only
+    blocks in use that can be partly filled) as flat [block id, value, ...] lists; few blocks
+    are either, so the snapshot stays small. One Python pass over the blocks (their ref
+    counts); the rest runs in bytes.translate and str.find."""
+    refs = list(map(_REF, pool.blocks))
+    try:
+        raw = bytes(refs)
+    except ValueError:  # a block shared by more than 255 sequences
+        raw = bytes(min(r, 255) for r in refs)
+    codes = bytearray(raw.translate(_HOST_BY_REF if host else _PAGED_BY_REF))
+    if not host:
+        for blk in pool.iter_cached_free_blocks():
+            codes[blk.block_id] = ord("c")
+    states = codes.decode("ascii")
+    shared: list[int] = []
+    i = states.find("s")
+    while i >= 0:
+        shared += (i, refs[i])
+        i = states.find("s", i + 1)
+    filled = {b.block_id: b.num_filled for b in partial}
+    return {
+        "num_blocks": pool.num_blocks,
+        "states": states,
+        "shared_ref_cnt": shared,
+        "partial_filled": [x for item in sorted(filled.items()) for x in item],
+    }
+
+
+def manager_maps(kv: KVCacheManager) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The device and host pool maps of a paged KV cache."""
+    device_tails: list[KVBlock] = []
+    host_tails: list[KVBlock] = []
+    bs = kv.block_size
+    for swapped, blk in kv.tail_blocks():
+        if blk.num_filled < bs:
+            (host_tails if swapped else device_tails).append(blk)
+    device = pool_map(kv.block_pool, partial=device_tails)
+    device["legend"] = PAGED_STATES
+    host = pool_map(kv.cpu_pool, host=True, partial=host_tails)
+    host["legend"] = HOST_STATES
+    return device, host
+
+
+def count_states(states: str, alphabet: dict[str, str]) -> dict[str, int]:
+    """How many blocks are in each state, by the state's name."""
+    return {name: states.count(ch) for ch, name in alphabet.items()}
