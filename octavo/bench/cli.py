@@ -34,6 +34,7 @@ BENCHMARKS = {
     "cpu": "octavo.bench.cpu_paths",
     "saturation": "octavo.bench.saturation",
     "spec": "octavo.bench.spec_decode",
+    "kvmap": "octavo.bench.kv_map",
 }
 
 

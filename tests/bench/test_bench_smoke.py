@@ -184,3 +184,32 @@ def test_spec_decode_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -
                                                                "mixed, sampled"))
     assert any(r["draft_tokens_per_rep"] > 0 for r in rows if r["way"] != "off")
     assert result["config"]["kernel_path"]["device"] == "cpu"
+
+
+def test_kv_map_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    argv = ["kvmap", "--quick", "--threads", "1", "--num-requests", "4", "--model",
+            str(tiny_llama_dir), "--out", str(tmp_path)]
+    assert bench_main(argv) == 0
+    result = _files(tmp_path, "kv_map")
+    snap = result["results"]["snapshot"]
+    state = snap["state"]
+    assert state["num_blocks"] == result["config"]["num_blocks"] == 2048
+    counts = state["counts"]
+    # a busy map: most blocks in use, some shared (prefix hits, n=2), some cached
+    assert state["blocks_in_use"] == state["blocks_used_stats"] > 2048 // 2
+    assert counts["shared"] > 0 and counts["cached"] == state["blocks_cached_stats"] > 0
+    assert state["prefix_cache_hit_tokens"] > 0 and state["preemptions"] == 0
+    assert state["running_requests"] > 0 and state["waiting_requests"] == 0
+    rows = {r["call"]: r for r in snap["rows"]}
+    http = rows["snapshot + JSON"]
+    assert rows["snapshot"]["median_ms"] > 0 and http["json_bytes"] > 2048
+    assert rows["snapshot + JSON, contiguous=None"]["json_bytes"] < http["json_bytes"]
+    assert snap["goal_met"] == (http["median_ms"] < result["config"]["goal_ms"])
+    tput = {r["way"]: r for r in result["results"]["throughput"]["rows"]}
+    assert set(tput) == {"closed", "open 4 Hz", "open 20 Hz"}
+    assert tput["closed"]["x_closed"] == 1.0
+    for way, r in tput.items():
+        assert r["output_tok_s"] > 0
+        if way != "closed":  # the client was connected (one event in) before the batch
+            samples = result["results"]["throughput"]["samples"][way]
+            assert all(s["events_total"] >= 1 for s in samples)
