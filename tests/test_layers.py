@@ -184,7 +184,8 @@ def test_paging_and_neutral_modules_need_no_third_party_package():
     stdlib_only = [m for m in MODULES if layer_of(m) in ("paging", "neutral")]
     allowed = {"__future__", "argparse", "array", "bisect", "collections", "concurrent", "copy",
                "dataclasses",
-               "difflib", "enum", "hashlib", "itertools", "json", "math", "pathlib", "re",
+               "difflib", "enum", "hashlib", "itertools", "json", "math", "operator", "pathlib",
+               "re",
                "typing",
                "octavo"}
     heavy = {m: sorted(external_imports_of(m) - allowed) for m in stdlib_only}

@@ -58,7 +58,8 @@ STANDIN = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 DASHBOARD_WAYS = {"closed": None, "open 4 Hz": 4.0, "open 20 Hz": 20.0}
 CALLS = ("snapshot", "snapshot + JSON", "snapshot + JSON, contiguous=None",
-         "snapshot + JSON, contiguous=max_model_len", "stats() alone")
+         "snapshot + JSON, contiguous=max_model_len", "snapshot + JSON, block_tables=true",
+         "one request's block tables (hover)", "stats() alone")
 
 
 def dumps(snap: dict) -> bytes:
@@ -195,8 +196,8 @@ def snapshot_cost(opts: BenchOptions, tmp: Path) -> dict[str, Any]:
         "waiting_requests": snap["num_requests"]["waiting"],
         "running_seqs": sum(len(r["seqs"]) for r in snap["requests"]
                             if r["status"] == "running"),
-        "block_table_entries": sum(len(t) for r in snap["requests"] for s in r["seqs"]
-                                   for t in s["block_tables"]),
+        "block_table_entries": sum(s["num_blocks"] for r in snap["requests"]
+                                   for s in r["seqs"]),
         "shared_listed": len(snap["device"]["shared_ref_cnt"]) // 2,
         "partial_listed": len(snap["device"]["partial_filled"]) // 2,
         "prefix_cache_hit_tokens": snap["stats"]["prefix_cache_hit_tokens"],
@@ -205,16 +206,23 @@ def snapshot_cost(opts: BenchOptions, tmp: Path) -> dict[str, Any]:
                                                               "num_seqs_not_placed")}
         if snap.get("contiguous") else None,
     }
+    # the hover's call: the running request holding the most blocks
+    hovered = max((r for r in snap["requests"] if r["status"] == "running"),
+                  key=lambda r: sum(s["num_blocks"] for s in r["seqs"]))["request_id"]
     fns = {
         CALLS[0]: lambda: engine.kv_map("request"),
         CALLS[1]: lambda: dumps(engine.kv_map("request")),
         CALLS[2]: lambda: dumps(engine.kv_map(None)),
         CALLS[3]: lambda: dumps(engine.kv_map("max_model_len")),
-        CALLS[4]: engine.stats,
+        CALLS[4]: lambda: dumps(engine.kv_map("request", block_tables=True)),
+        CALLS[5]: lambda: dumps(engine.kv_map_request(hovered)),
+        CALLS[6]: engine.stats,
     }
     sizes = {CALLS[1]: len(dumps(engine.kv_map("request"))),
              CALLS[2]: len(dumps(engine.kv_map(None))),
-             CALLS[3]: len(dumps(engine.kv_map("max_model_len")))}
+             CALLS[3]: len(dumps(engine.kv_map("max_model_len"))),
+             CALLS[4]: len(dumps(engine.kv_map("request", block_tables=True))),
+             CALLS[5]: len(dumps(engine.kv_map_request(hovered)))}
     times: dict[str, list[float]] = {c: [] for c in CALLS}
     for _ in range(opts.pick(50, 200)):
         for call, fn in fns.items():
@@ -366,6 +374,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     st = cost["state"]
     c = st["counts"]
     http = next(r for r in cost["rows"] if r["call"] == CALLS[1])
+    after_step = cost["rows"][-1]  # the same call right after a decode step
     met = http["median_ms"] < GOAL_MS
     at = "" if cost["num_blocks"] >= 10_000 else (
         f" (at {cost['num_blocks']} blocks under --quick; the goal is for 10k)")
@@ -384,7 +393,9 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                    "" if r["json_bytes"] is None else r["json_bytes"]] for r in cost["rows"]]),
         "",
         f"Goal < {GOAL_MS:.0f} ms per `GET /v1/kv_map` (snapshot + JSON){at}: median "
-        f"{http['median_ms']:.2f} ms, **{'met' if met else 'NOT met'}**.",
+        f"{http['median_ms']:.2f} ms, **{'met' if met else 'NOT met'}** (right after a decode "
+        f"step: median {after_step['median_ms']:.2f} ms, "
+        f"{'met' if after_step['median_ms'] < GOAL_MS else 'not met'}).",
         "",
         f"**Engine throughput, dashboard closed vs open**: `octavo serve` "
         f"({opts.model or 'SmolLM2-135M-Instruct'}, {dtype} computing in {computes}, "
@@ -424,8 +435,8 @@ def plot(results: dict, fig: Figure) -> None:
     ys = [r["median_ms"] for r in rows]
     err = [[0] * len(rows), [r["p90_ms"] - r["median_ms"] for r in rows]]
     ax.barh(range(len(rows)), ys, xerr=err, color="C0", capsize=3)
-    for i, y in enumerate(ys):
-        ax.text(y, i, f" {y:.2f}", va="center", fontsize=8)
+    for i, r in enumerate(rows):
+        ax.text(r["p90_ms"], i, f"  {r['median_ms']:.2f}", va="center", fontsize=8)
     ax.axvline(GOAL_MS, color="C3", lw=1, ls="--", label=f"goal {GOAL_MS:.0f} ms")
     ax.set_yticks(range(len(rows)), [r["call"].replace(", ", ",\n", 1) for r in rows],
                   fontsize=7)

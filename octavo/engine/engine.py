@@ -150,12 +150,23 @@ class LLMEngine:
             s.update(sch.speculator.stats.as_stats())
         return s
 
-    def kv_map(self, contiguous: str | None = "request") -> dict:
-        """The page map now: every block's state, the requests' block tables, stats() and
-        the contiguous layouts of the same traffic (engine/kv_map.py). Call between steps."""
+    def kv_map(self, contiguous: str | None = "request", block_tables: bool = False) -> dict:
+        """The page map now: every block's state, the requests, stats() and the contiguous
+        layout of the same traffic (engine/kv_map.py). Call between steps."""
+        return self._mapper().snapshot(contiguous, block_tables)
+
+    def kv_map_request(self, request_id: str) -> dict | None:
+        """One live request's page-map entry with its block tables (None: not live)."""
+        return self._mapper().request(request_id)
+
+    def kv_map_block(self, block_id: int, host: bool = False) -> dict:
+        """One block's state and holders (ValueError: no such block)."""
+        return self._mapper().block(block_id, host)
+
+    def _mapper(self) -> KVMapper:
         if self._kv_mapper is None:
             self._kv_mapper = KVMapper(self)
-        return self._kv_mapper.snapshot(contiguous)
+        return self._kv_mapper
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

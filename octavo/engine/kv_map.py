@@ -8,22 +8,34 @@ ARCHITECTURE.md; the block-state letters are paging/kv_map.py's.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from octavo.engine.request import Request
+from octavo.engine.scheduler import Scheduler
+from octavo.paging.allocator import KVAllocator
 from octavo.paging.contiguous import ContiguousAllocator
 from octavo.paging.contiguous_shadow import ContiguousShadow
 from octavo.paging.kv_manager import KVCacheManager
 from octavo.paging.kv_map import (
     CONTIGUOUS_STATES,
     HOST_STATES,
+    PAGED_STATES,
     count_states,
     manager_maps,
+    pool_map,
 )
-from octavo.paging.kv_seq import KVSeq
 
-if TYPE_CHECKING:
-    from octavo.engine.engine import LLMEngine
+
+class MappedEngine(Protocol):
+    """What a snapshot reads of the engine (LLMEngine)."""
+
+    kv: KVAllocator
+    scheduler: Scheduler
+    model_dir: Path
+    max_model_len: int
+
+    def stats(self) -> dict[str, int | float]: ...
 
 # the waiting queue can be long and holds no blocks: list only its head
 MAX_WAITING_LISTED = 64
@@ -33,7 +45,7 @@ SHADOW_RESERVES = ("request", "max_model_len")
 class KVMapper:
     """Snapshots of one engine's page map; keeps the contiguous shadows between snapshots."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: MappedEngine) -> None:
         self.engine = engine
         kv = engine.kv
         self.shadows: list[ContiguousShadow] = []
@@ -42,9 +54,12 @@ class KVMapper:
                                              max_model_len=engine.max_model_len, reserve=r)
                             for r in SHADOW_RESERVES]
 
-    def snapshot(self, contiguous: str | None = "request") -> dict[str, Any]:
+    def snapshot(self, contiguous: str | None = "request",
+                 block_tables: bool = False) -> dict[str, Any]:
         """`contiguous`: which shadow layout to include ("request", "max_model_len" or None);
-        both shadows follow the traffic at every snapshot either way."""
+        both shadows follow the traffic at every snapshot either way. `block_tables`: every
+        sequence's block tables too (the bulk of a big snapshot; `request()` gives one
+        request's)."""
         if contiguous is not None and contiguous not in SHADOW_RESERVES:
             raise ValueError(f"contiguous must be one of {SHADOW_RESERVES} or None, got "
                              f"{contiguous!r}")
@@ -62,24 +77,22 @@ class KVMapper:
                         prefix_caching=kv.enable_prefix_caching, device=device, host=host)
         else:
             assert isinstance(kv, ContiguousAllocator)
-            states = kv.layout()
             snap.update(allocator="contiguous", kv_cache_groups=1, prefix_caching=False,
-                        device={"num_blocks": kv.num_blocks, "states": states,
-                                "legend": CONTIGUOUS_STATES},
-                        host={"num_blocks": 0, "states": "", "legend": HOST_STATES})
+                        device={"num_blocks": kv.num_blocks, "states": kv.layout(),
+                                "legend": dict(CONTIGUOUS_STATES)},
+                        host={"num_blocks": 0, "states": "", "legend": dict(HOST_STATES)})
         for pool in (snap["device"], snap["host"]):
             pool["counts"] = count_states(pool["states"], pool["legend"])
         queues = (("running", sch.running), ("swapped", sch.swapped),
                   ("waiting", sch.waiting[:MAX_WAITING_LISTED]))
-        live: list[tuple[KVSeq, int]] = []  # what the contiguous shadows replay
-        requests = []
-        for status, queue in queues:
-            for r in queue:
-                requests.append(self._request(r, status, live if status == "running" else None))
-        snap["requests"] = requests
+        snap["requests"] = [self._request(r, status, block_tables)
+                            for status, queue in queues for r in queue]
         snap["num_requests"] = {"running": len(sch.running), "swapped": len(sch.swapped),
                                 "waiting": len(sch.waiting)}
         if self.shadows:
+            # what a contiguous engine would hold: the sequences on the device now
+            live = [(seq, sch.reserve_tokens(r)) for r in sch.running for seq in r.live_seqs
+                    if seq.num_computed_tokens]
             for shadow in self.shadows:
                 shadow.sync(live)
             snap["contiguous"] = next((s.snapshot() for s in self.shadows
@@ -87,28 +100,66 @@ class KVMapper:
         snap["stats"] = eng.stats()
         return snap
 
-    def _request(self, r: Request, status: str,
-                 live: list[tuple[KVSeq, int]] | None) -> dict[str, Any]:
-        """One request's entry; its sequences on the device join `live` when given."""
+    def request(self, request_id: str) -> dict[str, Any] | None:
+        """One live request's entry with its block tables, or None."""
+        sch = self.engine.scheduler
+        for status, queue in (("running", sch.running), ("swapped", sch.swapped),
+                              ("waiting", sch.waiting)):
+            for r in queue:
+                if r.request_id == request_id:
+                    return self._request(r, status, True)
+        return None
+
+    def block(self, block_id: int, host: bool = False) -> dict[str, Any]:
+        """One block: its state, ref count, filled slots and who holds it (request, sequence,
+        group, logical index), from a scan of the live block tables."""
         kv = self.engine.kv
-        paged = isinstance(kv, KVCacheManager)
-        reserve = self.engine.scheduler.reserve_tokens(r)
+        if not isinstance(kv, KVCacheManager):
+            raise ValueError("block details need the paged KV cache")
+        pool = kv.cpu_pool if host else kv.block_pool
+        if not 0 <= block_id < pool.num_blocks:
+            raise ValueError(f"block {block_id} is not in the {'host' if host else 'device'} "
+                             f"pool (0..{pool.num_blocks - 1})")
+        blk = pool.blocks[block_id]
+        holders = []
+        sch = self.engine.scheduler
+        for r in (*sch.running, *sch.swapped):
+            for seq in r.live_seqs:
+                held = kv.held_tables(seq.seq_id)
+                if held is None or held[0] != host:
+                    continue
+                for group, table in enumerate(held[1]):
+                    holders += [{"request_id": r.request_id, "seq_id": seq.seq_id,
+                                 "group": group, "logical": i}
+                                for i, b in enumerate(table) if b == block_id]
+        state = pool_map(pool, host=host, partial=())["states"][block_id]
+        legend = HOST_STATES if host else PAGED_STATES
+        return {"block_id": block_id, "pool": "host" if host else "device",
+                "state": legend[state], "ref_cnt": blk.ref_cnt, "filled": blk.num_filled,
+                "prefix_cached": blk.block_hash is not None, "holders": holders}
+
+    def _request(self, r: Request, status: str, block_tables: bool) -> dict[str, Any]:
+        bs = self.engine.kv.block_size
+        kv = self.engine.kv
+        swapped = status == "swapped"
         seqs = []
         for seq in r.live_seqs:
-            if paged:
-                held = kv.held_tables(seq.seq_id)
-            else:
-                held = (False, kv.block_tables(seq.seq_id)) if seq.num_computed_tokens else None
-            if live is not None and held is not None and not held[0]:
-                live.append((seq, reserve))
-            seqs.append({
+            computed = seq.num_computed_tokens
+            entry = {
                 "seq_id": seq.seq_id,
                 "index": seq.index,
                 "output_tokens": seq.num_output_tokens,
-                "computed_tokens": seq.num_computed_tokens,
-                "swapped": held is not None and held[0],
-                "block_tables": held[1] if held is not None else [],
-            })
+                "computed_tokens": computed,
+                "swapped": swapped,
+                "num_blocks": -(-computed // bs),  # its table's length (each group's)
+            }
+            if block_tables:
+                if isinstance(kv, KVCacheManager):
+                    held = kv.held_tables(seq.seq_id)
+                else:
+                    held = (False, kv.block_tables(seq.seq_id)) if computed else None
+                entry["block_tables"] = held[1] if held is not None else []
+            seqs.append(entry)
         return {
             "request_id": r.request_id,
             "status": status,

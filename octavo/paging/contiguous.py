@@ -213,6 +213,10 @@ class ContiguousAllocator:
     def usage(self) -> float:
         return (self.num_blocks - self._num_free) / self.num_blocks
 
+    def largest_free_extent(self) -> int:
+        """Blocks in the longest free extent: no reservation longer than this fits."""
+        return max((length for _, length in self._free), default=0)
+
     def layout(self) -> str:
         """One character per block (see kv_map.CONTIGUOUS_STATES): `u` reserved and holding
         tokens, `r` reserved for later tokens, `x` free in a gap too small for a reservation,

@@ -26,6 +26,7 @@ class ContiguousShadow:
                                          reserve=reserve)
         self._seqs: dict[int, KVSeq] = {}
         self.num_not_placed = 0
+        self._room = num_blocks  # the longest free extent, kept during a sync
 
     def sync(self, live: Iterable[tuple[KVSeq, int]]) -> None:
         """`live`: each sequence holding KV now, with the tokens a contiguous engine would have
@@ -35,6 +36,7 @@ class ContiguousShadow:
             self.alloc.free(seq_id)
             del self._seqs[seq_id]
         not_placed = 0
+        self._room = self.alloc.largest_free_extent()
         for seq_id in sorted(now):
             real, reserve = now[seq_id]
             filled = real.num_computed_tokens
@@ -42,6 +44,7 @@ class ContiguousShadow:
             if shadow is not None and shadow.num_computed_tokens > filled:
                 self.alloc.free(seq_id)  # it restarted (recomputed after a preemption)
                 del self._seqs[seq_id]
+                self._room = self.alloc.largest_free_extent()
                 shadow = None
             if shadow is None:
                 if not self._place(seq_id, real, filled, reserve):
@@ -56,9 +59,12 @@ class ContiguousShadow:
         tokens = self.alloc.max_model_len if self.reserve == "max_model_len" else reserve
         if filled > tokens:
             return False  # it outgrew what a contiguous engine reserves: that one would fail
+        if -(-max(tokens, 1) // self.alloc.block_size) > self._room:
+            return False  # no free extent is long enough (skips the first-fit scan)
         if self.alloc.allocate_slots(shadow, filled, reserve_tokens=max(reserve, 1)) is None:
             return False
         self._seqs[seq_id] = shadow
+        self._room = self.alloc.largest_free_extent()
         return True
 
     def snapshot(self) -> dict[str, Any]:

@@ -73,9 +73,9 @@ def manager_maps(kv: KVCacheManager) -> tuple[dict[str, Any], dict[str, Any]]:
         if blk.num_filled < bs:
             (host_tails if swapped else device_tails).append(blk)
     device = pool_map(kv.block_pool, partial=device_tails)
-    device["legend"] = PAGED_STATES
+    device["legend"] = dict(PAGED_STATES)
     host = pool_map(kv.cpu_pool, host=True, partial=host_tails)
-    host["legend"] = HOST_STATES
+    host["legend"] = dict(HOST_STATES)
     return device, host
 
 

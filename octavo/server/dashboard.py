@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse, Response
@@ -28,11 +28,13 @@ from pydantic import BaseModel, Field
 
 from octavo.server.context import ServerContext
 from octavo.server.errors import OpenAIError
+from octavo.server.openapi import ERROR_REF
 from octavo.server.serving_common import SSEResponse
 
 MAX_HZ = 20.0
 SNAPSHOT_TIMEOUT_S = 30.0  # a step longer than this is a hung engine, not a slow one
 Contiguous = Literal["request", "max_model_len", "none"]
+T = TypeVar("T")
 
 
 class KVMapFeed:
@@ -41,28 +43,31 @@ class KVMapFeed:
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
-        self._latest: dict[str, tuple[float, bytes]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._latest: dict[tuple[str, bool], tuple[float, bytes]] = {}
+        self._locks: dict[tuple[str, bool], asyncio.Lock] = {}
 
-    async def get(self, contiguous: str, max_age: float = 0.0) -> bytes:
-        lock = self._locks.setdefault(contiguous, asyncio.Lock())
+    async def get(self, contiguous: str, block_tables: bool = False,
+                  max_age: float = 0.0) -> bytes:
+        key = (contiguous, block_tables)
+        lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            latest = self._latest.get(contiguous)
+            latest = self._latest.get(key)
             if latest is not None and time.monotonic() - latest[0] <= max_age:
                 return latest[1]
-            body = await self._build(contiguous)
-            self._latest[contiguous] = (time.monotonic(), body)
+            view = None if contiguous == "none" else contiguous
+            snap = await engine_call(self.ctx, lambda e: e.kv_map(view, block_tables))
+            snap["latency"] = self.ctx.metrics.recent_latencies()
+            body = json.dumps(snap, separators=(",", ":")).encode()
+            self._latest[key] = (time.monotonic(), body)
             return body
 
-    async def _build(self, contiguous: str) -> bytes:
-        view = None if contiguous == "none" else contiguous
-        try:
-            snap: dict[str, Any] = await asyncio.wait_for(
-                self.ctx.engine.call(lambda engine: engine.kv_map(view)), SNAPSHOT_TIMEOUT_S)
-        except (RuntimeError, TimeoutError) as e:
-            raise OpenAIError(503, f"no KV map: {e or 'the engine did not answer'}") from e
-        snap["latency"] = self.ctx.metrics.recent_latencies()
-        return json.dumps(snap, separators=(",", ":")).encode()
+
+async def engine_call(ctx: ServerContext, fn: Callable[[Any], T]) -> T:
+    """`fn(engine)` on the engine thread between steps; 503 when the engine cannot answer."""
+    try:
+        return await asyncio.wait_for(ctx.engine.call(fn), SNAPSHOT_TIMEOUT_S)
+    except (RuntimeError, TimeoutError) as e:
+        raise OpenAIError(503, f"no KV map: {e or 'the engine did not answer'}") from e
 
 
 class KVPool(BaseModel):
@@ -85,9 +90,11 @@ class KVMapSeq(BaseModel):
     output_tokens: int
     computed_tokens: int
     swapped: bool
-    block_tables: list[list[int]] = Field(description="per KV cache group, logical block -> "
-                                          "physical block id (host ids while swapped; -1: "
-                                          "freed out of the sliding window)")
+    num_blocks: int = Field(description="the length of its block table (of each group's)")
+    block_tables: list[list[int]] | None = Field(
+        None, description="only with block_tables=true, or from /v1/kv_map/requests/{id}: per "
+        "KV cache group, logical block -> physical block id (host ids while swapped; -1: "
+        "freed out of the sliding window)")
 
 
 class KVMapRequest(BaseModel):
@@ -99,6 +106,23 @@ class KVMapRequest(BaseModel):
     num_preemptions: int
     n: int
     seqs: list[KVMapSeq]
+
+
+class KVMapBlockHolder(BaseModel):
+    request_id: str
+    seq_id: int
+    group: int
+    logical: int = Field(description="the block's index in that sequence's block table")
+
+
+class KVMapBlock(BaseModel):
+    block_id: int
+    pool: Literal["device", "host"]
+    state: str
+    ref_cnt: int
+    filled: int
+    prefix_cached: bool = Field(description="registered in the prefix cache")
+    holders: list[KVMapBlockHolder]
 
 
 class KVMapContiguous(BaseModel):
@@ -139,8 +163,28 @@ def dashboard_router(ctx: ServerContext) -> APIRouter:
         200: {"model": KVMapSnapshot, "description": "the KV page map now"}})
     async def kv_map(contiguous: Annotated[Contiguous, Query(
             description="the contiguous layout to add: prompt + max_tokens reservations, "
-            "max_model_len ones, or none")] = "request") -> Response:
-        return Response(await feed.get(contiguous), media_type="application/json")
+            "max_model_len ones, or none")] = "request",
+            block_tables: Annotated[bool, Query(
+                description="every sequence's block tables too (the bulk of a big "
+                "snapshot)")] = False) -> Response:
+        return Response(await feed.get(contiguous, block_tables), media_type="application/json")
+
+    @router.get("/v1/kv_map/requests/{request_id}", response_model=KVMapRequest,
+                responses={404: {"description": "no such request in flight",
+                                 "content": {"application/json": {"schema": ERROR_REF}}}})
+    async def kv_map_request(request_id: str) -> dict[str, Any]:
+        entry = await engine_call(ctx, lambda e: e.kv_map_request(request_id))
+        if entry is None:
+            raise OpenAIError(404, f"no request {request_id!r} is in flight", "request_id")
+        return entry
+
+    @router.get("/v1/kv_map/blocks/{block_id}", response_model=KVMapBlock)
+    async def kv_map_block(block_id: int, pool: Literal["device", "host"] = "device"
+                           ) -> dict[str, Any]:
+        try:
+            return await engine_call(ctx, lambda e: e.kv_map_block(block_id, pool == "host"))
+        except ValueError as e:
+            raise OpenAIError(400, str(e), "block_id") from e
 
     @router.get("/v1/kv_map/stream", include_in_schema=False)
     async def kv_map_stream(hz: Annotated[float, Query(gt=0, le=MAX_HZ)] = 4.0,

@@ -20,8 +20,13 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 # What a browser opens: it cannot add a header, so the key may come as a cookie here
 # (GET only), set by one visit to /dashboard?api_key=KEY (Jupyter's token login).
 DASHBOARD = "/dashboard"
-COOKIE_PATHS = frozenset({DASHBOARD, "/v1/kv_map", "/v1/kv_map/stream"})
+KV_MAP = "/v1/kv_map"
 KEY_COOKIE = "octavo_api_key"
+
+
+def reads_cookie(path: str) -> bool:
+    """The dashboard and the KV map endpoints it reads."""
+    return path in (DASHBOARD, KV_MAP) or path.startswith(KV_MAP + "/")
 
 
 async def send_error(send: Send, status: int, message: str) -> None:
@@ -57,7 +62,7 @@ class APIKeyMiddleware:
         headers = dict(scope["headers"])
         given = [bearer_token(headers.get(b"authorization", b"")),
                  headers.get(b"x-api-key", b"").strip()]
-        browser = scope["path"] in COOKIE_PATHS and scope["method"] in ("GET", "HEAD")
+        browser = reads_cookie(scope["path"]) and scope["method"] in ("GET", "HEAD")
         if browser:
             given.append(cookie_value(headers.get(b"cookie", b""), KEY_COOKIE))
             if scope["path"] == DASHBOARD:

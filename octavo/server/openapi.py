@@ -31,10 +31,13 @@ NAMES_A_MODEL = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detok
 GENERATES = {"/v1/completions", "/v1/chat/completions"}
 
 
-def error_statuses(path: str, method: str, api_key: bool, open_paths: set[str]) -> list[int]:
+def error_statuses(path: str, method: str, api_key: bool, open_paths: set[str],
+                   has_query: bool = False) -> list[int]:
     statuses = []
     if method == "post":
         statuses += [400, 413]
+    if has_query:  # a query parameter out of its range or choices
+        statuses.append(400)
     if api_key and path not in open_paths:
         statuses.append(401)
     if path in NAMES_A_MODEL:
@@ -74,7 +77,8 @@ def install_openapi(app: FastAPI, *, api_key: bool, open_paths: set[str], vocab_
             for method, op in operations.items():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
-                for status in error_statuses(path, method, api_key, open_paths):
+                has_query = any(p.get("in") == "query" for p in op.get("parameters", []))
+                for status in error_statuses(path, method, api_key, open_paths, has_query):
                     responses[str(status)] = {
                         "description": DESCRIPTIONS[status],
                         "content": {"application/json": {"schema": ERROR_REF}},

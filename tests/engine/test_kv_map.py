@@ -18,8 +18,13 @@ def prompt(seed: int, n: int) -> dict:
 
 def check_consistent(engine) -> dict:
     """Every figure of the snapshot agrees with the engine at the same moment."""
-    snap = engine.kv_map()
+    snap = engine.kv_map(block_tables=True)
     json.dumps(snap)  # what the endpoint sends
+    lean = engine.kv_map()  # the default leaves the tables out, and only them
+    for r, full in zip(lean["requests"], snap["requests"], strict=True):
+        assert r == {**full, "seqs": [{k: v for k, v in q.items() if k != "block_tables"}
+                                      for q in full["seqs"]]}
+        assert engine.kv_map_request(r["request_id"]) == full
     stats, kv = snap["stats"], engine.kv
     states = snap["device"]["states"]
     assert len(states) == stats["kv_blocks_total"] == snap["device"]["num_blocks"]
@@ -37,6 +42,7 @@ def check_consistent(engine) -> dict:
                 continue
             swapped, tables = kv.held_tables(q["seq_id"])
             assert (q["swapped"], q["block_tables"]) == (swapped, tables)
+            assert q["num_blocks"] == len(tables[0])
             if not swapped:
                 for b in tables[0]:
                     entries[b] = entries.get(b, 0) + 1
@@ -71,6 +77,32 @@ def test_snapshots_stay_consistent_through_sharing_swapping_and_caching(llm):
     assert all(seen.values()), seen
     snap = check_consistent(engine)
     assert snap["requests"] == [] and snap["device"]["counts"]["cached"] > 0
+    assert engine.kv_map_request("n3") is None
+
+
+def test_block_details_name_every_holder(llm):
+    engine = llm.engine
+    engine.add_request("n3", prompt(1, 20), SamplingParams(
+        n=3, temperature=1.0, seed=0, max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    (req,) = engine.kv_map(block_tables=True)["requests"]
+    first = req["seqs"][0]["block_tables"][0][0]  # the prompt's first block: all three share it
+    block = engine.kv_map_block(first)
+    assert block["state"] == "shared" and block["ref_cnt"] == 3 and block["filled"] == 8
+    assert block["prefix_cached"]
+    assert sorted(h["seq_id"] for h in block["holders"]) == sorted(
+        q["seq_id"] for q in req["seqs"])
+    assert {(h["request_id"], h["group"], h["logical"]) for h in block["holders"]} == {
+        ("n3", 0, 0)}
+    free = engine.kv_map()["device"]["states"].index("f")
+    assert engine.kv_map_block(free) == {
+        "block_id": free, "pool": "device", "state": "free", "ref_cnt": 0, "filled": 0,
+        "prefix_cached": False, "holders": []}
+    with pytest.raises(ValueError, match="not in the device pool"):
+        engine.kv_map_block(16)
+    with pytest.raises(ValueError, match="not in the host pool"):
+        engine.kv_map_block(-1, host=True)
 
 
 def test_the_contiguous_shadow_holds_the_same_tokens_in_reservations(tiny_llama_dir):
@@ -107,4 +139,5 @@ def test_the_contiguous_engine_maps_its_own_layout(tiny_llama_dir):
     snap = engine.kv_map()
     assert snap["allocator"] == "contiguous" and "contiguous" not in snap
     assert snap["device"]["states"] == "uuu" + "r" * 13 + "f" * 48
-    assert snap["requests"][0]["seqs"][0]["block_tables"] == [list(range(16))]
+    assert snap["requests"][0]["seqs"][0]["num_blocks"] == 3
+    assert engine.kv_map_request("a")["seqs"][0]["block_tables"] == [list(range(16))]

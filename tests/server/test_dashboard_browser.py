@@ -107,10 +107,13 @@ def test_the_page_draws_sharing_caching_and_the_requests(page_server, tmp_path):
                            10, "the request's row")
             ActionChains(driver).move_to_element(row).perform()
             hover = wait_for(driver, """
-                const r = snap.requests[0];
+                const r = hoverData;  // what the page fetched for the hovered row
+                if (!r) return null;
                 const held = new Set(r.seqs.flatMap((q) => q.block_tables.flat()));
-                const hl = [...document.querySelectorAll('#grid .hl')].map((c) => +c.dataset.blockId);
-                return hl.length && {held: [...held].sort((a, b) => a - b), hl: hl.sort((a, b) => a - b),
+                const hl = [...document.querySelectorAll('#grid .hl')]
+                    .map((c) => +c.dataset.blockId);
+                const num = (a, b) => a - b;
+                return hl.length && {held: [...held].sort(num), hl: hl.sort(num),
                                      text: document.getElementById('detail').textContent,
                                      id: r.request_id, n: r.n};
             """, 10, "the hover highlight")

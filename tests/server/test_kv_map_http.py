@@ -39,6 +39,12 @@ def test_snapshot_is_documented_and_matches_the_metrics(map_server):
     assert bad.status_code == 400 and "contiguous" in bad.json()["error"]["message"]
     bad = httpx.get(f"{map_server.url}/v1/kv_map/stream?hz=500")
     assert bad.status_code == 400 and "hz" in bad.json()["error"]["message"]
+    missing = httpx.get(f"{map_server.url}/v1/kv_map/requests/nobody")
+    assert missing.status_code == 404 and "nobody" in missing.json()["error"]["message"]
+    block = httpx.get(f"{map_server.url}/v1/kv_map/blocks/3?pool=device").json()
+    assert block["block_id"] == 3 and block["pool"] == "device"
+    bad = httpx.get(f"{map_server.url}/v1/kv_map/blocks/128")
+    assert bad.status_code == 400 and "not in the device pool" in bad.json()["error"]["message"]
 
 
 def test_the_stream_shows_an_n4_request_sharing_blocks_then_caching_them(map_server):
@@ -62,6 +68,7 @@ def test_the_stream_shows_an_n4_request_sharing_blocks_then_caching_them(map_ser
     assert refs and set(refs[1::2]) == {4}  # the prompt's blocks, one reference per sample
     (request,) = first["requests"]
     assert request["n"] == 4 and len(request["seqs"]) == 4
+    assert all("block_tables" not in q for q in request["seqs"])
     assert first["contiguous"]["slots"]["kv_slots_live"] > first["stats"]["kv_slots_live"]
     after = httpx.get(f"{map_server.url}/v1/kv_map").json()
     assert after["device"]["counts"]["cached"] == after["stats"]["kv_blocks_cached_free"] > 0
@@ -96,7 +103,8 @@ def key_server(tiny_llama_dir):
 
 def test_the_api_key_protects_the_map_and_the_page(key_server):
     url = key_server.url
-    for path in ("/v1/kv_map", "/dashboard", "/v1/kv_map/stream"):
+    for path in ("/v1/kv_map", "/dashboard", "/v1/kv_map/stream", "/v1/kv_map/blocks/0",
+                 "/v1/kv_map/requests/x"):
         r = httpx.get(url + path)
         assert r.status_code == 401 and "/dashboard?api_key=KEY" in r.json()["error"]["message"]
     ok = httpx.get(f"{url}/v1/kv_map", headers={"Authorization": f"Bearer {API_KEY}"})
@@ -109,6 +117,7 @@ def test_the_api_key_protects_the_map_and_the_page(key_server):
     jar = httpx.Cookies({"octavo_api_key": API_KEY})
     assert httpx.get(f"{url}/dashboard", cookies=jar).status_code == 200
     assert httpx.get(f"{url}/v1/kv_map", cookies=jar).status_code == 200
+    assert httpx.get(f"{url}/v1/kv_map/blocks/0", cookies=jar).status_code == 200
     # the cookie opens the dashboard's own GETs, nothing else
     assert httpx.get(f"{url}/v1/models", cookies=jar).status_code == 401
     assert httpx.post(f"{url}/v1/completions", cookies=jar, json={
