@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+_FREE, _USED, _SHARED, _CACHED = b"fusc"
+
 
 class OutOfKVBlocks(RuntimeError):
     """Raised when an operation needs more free KV blocks than exist; it leaves no state behind."""
@@ -101,6 +103,9 @@ class BlockPool:
             self._plain_free.append(blk)
         self._index: dict[bytes, KVBlock] = {}
         self._next_cache_key = 1
+        # Every block's state as one byte, kept up to date by the calls below so the page map
+        # (kv_map.py) never walks the blocks: f free, u ref 1, s ref > 1, c cached and free.
+        self.states = bytearray(b"f" * num_blocks)
         # Slots holding tokens in referenced blocks, kept up to date so stats() costs O(1).
         self.num_live_slots = 0
         self.peak_used_blocks = 0
@@ -141,6 +146,7 @@ class BlockPool:
             blk = self._cached_free.popleft()
             self._evict(blk)
         blk.ref_cnt = 1
+        self.states[blk.block_id] = _USED
         self._note_used()
         return blk
 
@@ -152,9 +158,11 @@ class BlockPool:
             self._cached_free.remove(blk)
             self.num_live_slots += blk.num_filled
             blk.ref_cnt = 1
+            self.states[blk.block_id] = _USED
             self._note_used()
         else:
             blk.ref_cnt += 1
+            self.states[blk.block_id] = _SHARED
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; blocks reaching 0 are queued in the order given."""
@@ -162,14 +170,18 @@ class BlockPool:
             assert blk.ref_cnt > 0, f"block {blk.block_id} freed more often than referenced"
             blk.ref_cnt -= 1
             if blk.ref_cnt:
+                if blk.ref_cnt == 1:
+                    self.states[blk.block_id] = _USED
                 continue
             self.num_live_slots -= blk.num_filled
             if blk.block_hash is None:
                 blk.num_filled = 0
                 blk.token_ids = None
                 self._plain_free.append(blk)
+                self.states[blk.block_id] = _FREE
             else:
                 self._cached_free.append(blk)
+                self.states[blk.block_id] = _CACHED
 
     def set_filled(self, blk: KVBlock, num_filled: int) -> None:
         """Record how many slots of a referenced block hold tokens."""
@@ -259,7 +271,9 @@ class BlockPool:
         return None
 
     # -- checks ---------------------------------------------------------------------------------
-    def check_invariants(self) -> None:
+    def check_invariants(self, states: bool = True) -> None:
+        """`states`: also check the state bytes (check_states; KVCacheManager checks them
+        last, after the ref counts they follow)."""
         queued: set[int] = set()
         for name, queue, cached in (
             ("plain free queue", self._plain_free, False),
@@ -303,3 +317,14 @@ class BlockPool:
         assert live == self.num_live_slots, (
             f"live slot counter {self.num_live_slots} != {live} counted"
         )
+        if states:
+            self.check_states()
+
+    def check_states(self) -> None:
+        """Each state byte agrees with its block's ref count and hash."""
+        for blk in self.blocks:
+            state = (_FREE if blk.block_hash is None else _CACHED) if not blk.ref_cnt else (
+                _USED if blk.ref_cnt == 1 else _SHARED)
+            assert self.states[blk.block_id] == state, (
+                f"block {blk.block_id}: state byte {chr(self.states[blk.block_id])!r}, but ref "
+                f"{blk.ref_cnt} and {'a' if blk.block_hash else 'no'} hash make it {chr(state)!r}")

@@ -694,8 +694,8 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         bs = self.block_size
-        self.block_pool.check_invariants()
-        self.cpu_pool.check_invariants()
+        self.block_pool.check_invariants(states=False)  # checked last, below
+        self.cpu_pool.check_invariants(states=False)
         refs = {False: [0] * self.num_blocks, True: [0] * self.cpu_pool.num_blocks}
         for seq_id, state in self._seqs.items():
             seq = state.seq
@@ -740,6 +740,8 @@ class KVCacheManager:
                     f"{'CPU' if swapped else 'GPU'} block {blk.block_id}: ref count "
                     f"{blk.ref_cnt} but held by {refs[swapped][blk.block_id]} block tables"
                 )
+        self.block_pool.check_states()
+        self.cpu_pool.check_states()
         check_slot_sum(self.stats(), self.num_blocks * bs)
 
     # -- helpers --------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ filled one.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from operator import attrgetter
 from typing import Any
 
 from octavo.paging.block_pool import BlockPool, KVBlock
@@ -27,34 +26,26 @@ PAGED_STATES = {"f": "free", "u": "used", "s": "shared", "c": "cached"}
 HOST_STATES = {"f": "free", "w": "swapped"}
 CONTIGUOUS_STATES = {"u": "used", "r": "reserved", "x": "external", "f": "free"}
 
-_REF = attrgetter("ref_cnt")
-# ref count (capped at 255) -> state letter, for bytes.translate
-_PAGED_BY_REF = b"fu" + b"s" * 254
-_HOST_BY_REF = b"f" + b"w" * 255
+# the host pool's bytes: any reference means a swapped-out block
+_HOST = bytes.maketrans(b"usc", b"wwf")
 
 
 def pool_map(pool: BlockPool, *, host: bool = False,
              partial: Iterable[KVBlock] = ()) -> dict[str, Any]:
-    """States of every block of `pool` (one character each), with the ref count of each shared
-    block and the filled slots of each block of `partial` (the tails of the sequences: the only
-    blocks in use that can be partly filled) as flat [block id, value, ...] lists; few blocks
-    are either, so the snapshot stays small. One Python pass over the blocks (their ref
-    counts); the rest runs in bytes.translate and str.find."""
-    refs = list(map(_REF, pool.blocks))
-    try:
-        raw = bytes(refs)
-    except ValueError:  # a block shared by more than 255 sequences
-        raw = bytes(min(r, 255) for r in refs)
-    codes = bytearray(raw.translate(_HOST_BY_REF if host else _PAGED_BY_REF))
-    if not host:
-        for blk in pool.iter_cached_free_blocks():
-            codes[blk.block_id] = ord("c")
-    states = codes.decode("ascii")
+    """States of every block of `pool` (one character each, from the state bytes the pool
+    keeps), with the ref count of each shared block and the filled slots of each block of
+    `partial` (the tails of the sequences: the only blocks in use that can be partly filled) as
+    flat [block id, value, ...] lists; few blocks are either, so the snapshot stays small and
+    costs O(shared + partial) Python work, not O(blocks)."""
+    raw = bytes(pool.states)
+    states = (raw.translate(_HOST) if host else raw).decode("ascii")
     shared: list[int] = []
-    i = states.find("s")
-    while i >= 0:
-        shared += (i, refs[i])
-        i = states.find("s", i + 1)
+    if not host:
+        blocks = pool.blocks
+        i = states.find("s")
+        while i >= 0:
+            shared += (i, blocks[i].ref_cnt)
+            i = states.find("s", i + 1)
     filled = {b.block_id: b.num_filled for b in partial}
     return {
         "num_blocks": pool.num_blocks,

@@ -1,15 +1,18 @@
 """The live page map: GET /dashboard, its snapshot endpoint and its Server-Sent Events feed.
 
 - `GET /v1/kv_map`: one snapshot (engine/kv_map.py builds it on the engine thread between two
-  steps), with the server's recent TTFT and inter-token latencies added.
-- `GET /v1/kv_map/stream?hz=4`: the same snapshot as Server-Sent Events, `hz` times a second,
-  until the client leaves or the server shuts down.
+  steps), with the server's recent TTFT and inter-token latencies added. The block tables,
+  most of a big snapshot, only with `block_tables=true`;
+- `GET /v1/kv_map/requests/{id}`: one request's entry with its block tables (the page's hover);
+- `GET /v1/kv_map/blocks/{id}`: one block's state and every table entry that holds it;
+- `GET /v1/kv_map/stream?hz=4`: the snapshot as Server-Sent Events, `hz` times a second,
+  until the client leaves or the server shuts down;
 - `GET /dashboard`: one self-contained page (static/dashboard.html: no CDN, no build step)
   that draws the stream.
 
-Every client of the same `contiguous` view shares one snapshot per period (KVMapFeed), so ten
-open pages cost the engine what one does. With an API key set, the three paths need it like
-every other endpoint; a browser, which cannot send a header when it opens a page, opens
+Every client of the same view shares one snapshot per period (KVMapFeed), so ten open pages
+cost the engine what one does. With an API key set, these paths need it like every other
+endpoint; a browser, which cannot send a header when it opens a page, opens
 `/dashboard?api_key=KEY` once and gets it back as an HttpOnly cookie (middleware.py).
 """
 
