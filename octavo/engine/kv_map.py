@@ -139,32 +139,30 @@ class KVMapper:
                 "prefix_cached": blk.block_hash is not None, "holders": holders}
 
     def _request(self, r: Request, status: str, block_tables: bool) -> dict[str, Any]:
-        bs = self.engine.kv.block_size
         kv = self.engine.kv
+        bs = kv.block_size
         swapped = status == "swapped"
-        seqs = []
-        for seq in r.live_seqs:
-            computed = seq.num_computed_tokens
-            entry = {
-                "seq_id": seq.seq_id,
-                "index": seq.index,
-                "output_tokens": seq.num_output_tokens,
-                "computed_tokens": computed,
-                "swapped": swapped,
-                "num_blocks": -(-computed // bs),  # its table's length (each group's)
-            }
-            if block_tables:
+        seqs = [{
+            "seq_id": q.seq_id,
+            "index": q.index,
+            "output_tokens": len(q.token_ids) - q.num_prompt_tokens,
+            "computed_tokens": q.num_computed_tokens,
+            "swapped": swapped,
+            "num_blocks": -(-q.num_computed_tokens // bs),  # its table's length (each group's)
+        } for q in r.seqs if q.finish_reason is None]
+        if block_tables:
+            for entry in seqs:
                 if isinstance(kv, KVCacheManager):
-                    held = kv.held_tables(seq.seq_id)
+                    held = kv.held_tables(entry["seq_id"])
                 else:
-                    held = (False, kv.block_tables(seq.seq_id)) if computed else None
+                    held = ((False, kv.block_tables(entry["seq_id"]))
+                            if entry["computed_tokens"] else None)
                 entry["block_tables"] = held[1] if held is not None else []
-            seqs.append(entry)
         return {
             "request_id": r.request_id,
             "status": status,
             "priority": r.priority,
-            "prompt_tokens": r.num_prompt_tokens,
+            "prompt_tokens": len(r.prompt_token_ids),
             "cached_tokens": r.num_cached_tokens or 0,
             "num_preemptions": r.num_preemptions,
             "n": r.max_seqs,
