@@ -47,6 +47,8 @@ class KVMapper:
 
     def __init__(self, engine: MappedEngine) -> None:
         self.engine = engine
+        self.num_snapshots = 0
+        self.snapshot_seconds = 0.0  # engine-thread time spent building snapshots
         kv = engine.kv
         self.shadows: list[ContiguousShadow] = []
         if isinstance(kv, KVCacheManager) and kv.num_groups == 1:
@@ -63,6 +65,7 @@ class KVMapper:
         if contiguous is not None and contiguous not in SHADOW_RESERVES:
             raise ValueError(f"contiguous must be one of {SHADOW_RESERVES} or None, got "
                              f"{contiguous!r}")
+        started = time.perf_counter()
         eng = self.engine
         kv, sch = eng.kv, eng.scheduler
         snap: dict[str, Any] = {
@@ -98,6 +101,10 @@ class KVMapper:
             snap["contiguous"] = next((s.snapshot() for s in self.shadows
                                        if s.reserve == contiguous), None)
         snap["stats"] = eng.stats()
+        self.num_snapshots += 1
+        self.snapshot_seconds += time.perf_counter() - started
+        # what the page map has cost the engine thread so far, this snapshot included
+        snap["cost"] = {"snapshots": self.num_snapshots, "seconds": self.snapshot_seconds}
         return snap
 
     def request(self, request_id: str) -> dict[str, Any] | None:

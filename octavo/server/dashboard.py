@@ -48,6 +48,7 @@ class KVMapFeed:
         self.ctx = ctx
         self._latest: dict[tuple[str, bool], tuple[float, bytes]] = {}
         self._locks: dict[tuple[str, bool], asyncio.Lock] = {}
+        self.encode_seconds = 0.0  # event-loop time spent encoding snapshots
 
     async def get(self, contiguous: str, block_tables: bool = False,
                   max_age: float = 0.0) -> bytes:
@@ -59,8 +60,11 @@ class KVMapFeed:
                 return latest[1]
             view = None if contiguous == "none" else contiguous
             snap = await engine_call(self.ctx, lambda e: e.kv_map(view, block_tables))
+            started = time.perf_counter()
             snap["latency"] = self.ctx.metrics.recent_latencies()
+            snap["cost"]["encode_seconds"] = self.encode_seconds  # before this one
             body = json.dumps(snap, separators=(",", ":")).encode()
+            self.encode_seconds += time.perf_counter() - started
             self._latest[key] = (time.monotonic(), body)
             return body
 
@@ -155,6 +159,9 @@ class KVMapSnapshot(BaseModel):
     contiguous: KVMapContiguous | None = None
     stats: dict[str, float]
     latency: dict[str, float | None]
+    cost: dict[str, float] = Field(description="what the page map has cost so far: snapshots "
+                                   "built, engine-thread seconds building them, event-loop "
+                                   "seconds encoding them")
 
 
 def dashboard_router(ctx: ServerContext) -> APIRouter:

@@ -32,6 +32,10 @@ def test_snapshot_is_documented_and_matches_the_metrics(map_server):
     KVMapSnapshot.model_validate(snap)  # the OpenAPI document's schema describes it
     assert snap["device"]["num_blocks"] == len(snap["device"]["states"]) == 128
     assert snap["contiguous"]["reserve"] == "request"
+    again = httpx.get(f"{map_server.url}/v1/kv_map").json()
+    assert again["cost"]["snapshots"] == snap["cost"]["snapshots"] + 1
+    assert again["cost"]["seconds"] > snap["cost"]["seconds"] > 0
+    assert again["cost"]["encode_seconds"] > snap["cost"]["encode_seconds"] >= 0
     assert httpx.get(f"{map_server.url}/v1/kv_map?contiguous=none").json()["contiguous"] is None
     doc = httpx.get(f"{map_server.url}/openapi.json").json()
     assert "/v1/kv_map" in doc["paths"] and "/dashboard" not in doc["paths"]
