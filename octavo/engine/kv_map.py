@@ -20,10 +20,9 @@ from octavo.paging.kv_manager import KVCacheManager
 from octavo.paging.kv_map import (
     CONTIGUOUS_STATES,
     HOST_STATES,
-    PAGED_STATES,
+    block_state,
     count_states,
     manager_maps,
-    pool_map,
 )
 
 
@@ -139,11 +138,10 @@ class KVMapper:
                     holders += [{"request_id": r.request_id, "seq_id": seq.seq_id,
                                  "group": group, "logical": i}
                                 for i, b in enumerate(table) if b == block_id]
-        state = pool_map(pool, host=host, partial=())["states"][block_id]
-        legend = HOST_STATES if host else PAGED_STATES
         return {"block_id": block_id, "pool": "host" if host else "device",
-                "state": legend[state], "ref_cnt": blk.ref_cnt, "filled": blk.num_filled,
-                "prefix_cached": blk.block_hash is not None, "holders": holders}
+                "state": block_state(pool, block_id, host=host), "ref_cnt": blk.ref_cnt,
+                "filled": blk.num_filled, "prefix_cached": blk.block_hash is not None,
+                "holders": holders}
 
     def _request(self, r: Request, status: str, block_tables: bool) -> dict[str, Any]:
         kv = self.engine.kv

@@ -66,7 +66,8 @@ class ContiguousAllocator:
         self._peak_used = 0
 
     # -- allocation -----------------------------------------------------------------------------
-    def _reservation_blocks(self, num_new_tokens: int, reserve_tokens: int | None) -> int:
+    def reservation_blocks(self, num_new_tokens: int, reserve_tokens: int | None) -> int:
+        """Blocks a new sequence reserves (ValueError: its tokens exceed the reservation)."""
         if self.reserve == "max_model_len":
             tokens = self.max_model_len
         elif reserve_tokens is None:
@@ -126,7 +127,7 @@ class ContiguousAllocator:
             raise ValueError(f"sequence {seq.seq_id}: lookahead slots need KV blocks already")
         if seq.num_computed_tokens:
             raise ValueError(f"sequence {seq.seq_id} counts computed tokens but has no blocks")
-        n = self._reservation_blocks(num_new_tokens, reserve_tokens)
+        n = self.reservation_blocks(num_new_tokens, reserve_tokens)
         i = self._first_fit(n)
         if i is None:
             return None

@@ -56,10 +56,11 @@ class ContiguousShadow:
     def _place(self, seq_id: int, real: KVSeq, filled: int, reserve: int) -> bool:
         shadow = KVSeq(seq_id, ())
         shadow.token_ids = real.token_ids  # only its length is read
-        tokens = self.alloc.max_model_len if self.reserve == "max_model_len" else reserve
-        if filled > tokens:
+        try:
+            blocks = self.alloc.reservation_blocks(filled, max(reserve, 1))
+        except ValueError:
             return False  # it outgrew what a contiguous engine reserves: that one would fail
-        if -(-max(tokens, 1) // self.alloc.block_size) > self._room:
+        if blocks > self._room:
             return False  # no free extent is long enough (skips the first-fit scan)
         if self.alloc.allocate_slots(shadow, filled, reserve_tokens=max(reserve, 1)) is None:
             return False

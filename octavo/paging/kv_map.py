@@ -55,6 +55,13 @@ def pool_map(pool: BlockPool, *, host: bool = False,
     }
 
 
+def block_state(pool: BlockPool, block_id: int, *, host: bool = False) -> str:
+    """The state name of one block of `pool`."""
+    code = bytes(pool.states[block_id:block_id + 1])
+    letter = (code.translate(_HOST) if host else code).decode("ascii")
+    return (HOST_STATES if host else PAGED_STATES)[letter]
+
+
 def manager_maps(kv: KVCacheManager) -> tuple[dict[str, Any], dict[str, Any]]:
     """The device and host pool maps of a paged KV cache."""
     device_tails: list[KVBlock] = []
