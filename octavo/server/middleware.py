@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 from http.cookies import CookieError, SimpleCookie
-from urllib.parse import parse_qs
+from urllib.parse import parse_qsl, urlencode
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,6 +22,8 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 DASHBOARD = "/dashboard"
 KV_MAP = "/v1/kv_map"
 KEY_COOKIE = "octavo_api_key"
+KEY_PARAM = "api_key"
+REDACTED = "redacted"
 
 
 def reads_cookie(path: str) -> bool:
@@ -55,6 +57,7 @@ class APIKeyMiddleware:
         self.open_paths = OPEN_PATHS - ({"/metrics"} if protect_metrics else set())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        login = pop_query_key(scope) if scope["type"] == "http" else None
         if (scope["type"] != "http" or scope["path"] in self.open_paths
                 or scope["method"] == "OPTIONS"):
             await self.app(scope, receive, send)
@@ -65,11 +68,9 @@ class APIKeyMiddleware:
         browser = reads_cookie(scope["path"]) and scope["method"] in ("GET", "HEAD")
         if browser:
             given.append(cookie_value(headers.get(b"cookie", b""), KEY_COOKIE))
-            if scope["path"] == DASHBOARD:
-                login = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
-                if login and self.matches(login[0].encode()):
-                    await send_login(send, login[0])
-                    return
+            if scope["path"] == DASHBOARD and login and self.matches(login.encode("latin-1")):
+                await send_login(send, login)
+                return
         if not any(self.matches(key) for key in given):
             hint = (" or open /dashboard?api_key=KEY once in the browser"
                     if browser else "")
@@ -80,6 +81,22 @@ class APIKeyMiddleware:
 
     def matches(self, key: bytes) -> bool:
         return bool(key) and hmac.compare_digest(key, self.expected)
+
+
+def pop_query_key(scope: Scope) -> str | None:
+    """The `api_key` query parameter's value, if any, blanked out in the scope itself: the
+    access log line (uvicorn writes it from this scope when the response starts) and the app
+    never see the key, right or wrong."""
+    query = scope.get("query_string", b"")
+    if KEY_PARAM.encode() not in query:
+        return None
+    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
+    values = [v for k, v in pairs if k == KEY_PARAM]
+    if not values:
+        return None
+    scope["query_string"] = urlencode(
+        [(k, REDACTED if k == KEY_PARAM else v) for k, v in pairs]).encode("latin-1")
+    return values[0]
 
 
 def cookie_value(header: bytes, name: str) -> bytes:

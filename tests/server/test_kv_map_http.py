@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -128,3 +129,24 @@ def test_the_api_key_protects_the_map_and_the_page(key_server):
         "model": key_server.model, "prompt": "x", "max_tokens": 1}).status_code == 401
     bad = httpx.Cookies({"octavo_api_key": "wrong"})
     assert httpx.get(f"{url}/v1/kv_map", cookies=bad).status_code == 401
+
+
+def test_the_login_key_never_reaches_the_access_log(key_server, caplog):
+    """uvicorn logs each request's path and query from the ASGI scope: the middleware blanks
+    `api_key` out of it before any response starts, right key or wrong."""
+    access = logging.getLogger("uvicorn.access")
+    level = access.level
+    access.setLevel(logging.INFO)  # the test servers run at "warning"; new connections log
+    try:
+        with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+            for key in (API_KEY, "wrong-key-xyz"):
+                with httpx.Client() as client:  # a fresh connection reads the level
+                    client.get(f"{key_server.url}/dashboard?api_key={key}&x=1")
+            deadline = time.monotonic() + 5
+            while len(caplog.records) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        access.setLevel(level)
+    lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert len(lines) == 2 and all("/dashboard?api_key=redacted&x=1" in x for x in lines), lines
+    assert not any(API_KEY in x or "wrong-key-xyz" in x for x in lines)
