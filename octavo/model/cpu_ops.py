@@ -1,6 +1,7 @@
 """octavo's compiled CPU ops (csrc/), built once per machine on first use.
 
 - `paged_decode`: paged attention for single-token decodes, reading K/V in place.
+- `paged_prefill`: paged attention for every prefill chunk of a step in one call.
 - `rms_norm`, `add_rms_norm_`: RMSNorm, and the residual add fused with the next RMSNorm.
 - `rope_`: rotary embedding of q and k, in place in the fused qkv buffer.
 - `silu_and_mul`: SwiGLU's silu(gate) * up from the fused gate_up buffer.
@@ -30,7 +31,7 @@ from octavo.model.loader import cache_dir
 
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp")
+SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp")
 CHOICES = ("auto", "torch", "cpu")
 
 

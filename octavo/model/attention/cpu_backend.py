@@ -1,15 +1,22 @@
-"""CPU backend: the compiled paged-decode kernel for decodes, torch for prefill chunks.
+"""CPU backend: octavo's compiled paged-attention kernels (csrc/), one call per layer for the
+decodes and one for every prefill chunk of the step.
 
 Decode attention on CPU is bound by reading K/V; the torch backend first gathers every block
-into a padded copy and then reads it again (and SDPA expands GQA heads), while the kernel reads
-each K/V row once, in place. Sliding-window layers (their tables start at the window's first
-block, `decode_first_pos`) and soft-capped layers (Gemma 2) decode through the kernel too.
+into a padded copy and then reads it again (and SDPA expands GQA heads), while the decode kernel
+reads each K/V row once, in place. The prefill kernel takes every prefill chunk of the step at
+once (prompts, chunked-prefill continuations, prefix-cache hits, speculative verification
+chunks), reading their earlier K/V in place through the block tables: no gather, no mask tensor
+and no per-sequence call. Sliding-window layers and soft-capped layers (Gemma 2) take both
+kernels too. A head_dim the prefill kernel does not take (not a multiple of 8) falls back to
+the torch backend's per-chunk path.
 """
 
 from __future__ import annotations
 
-from octavo.model.attention.base import AttentionMetadata
-from octavo.model.attention.torch_backend import TorchAttentionBackend
+import torch
+
+from octavo.model.attention.base import AttentionMetadata, prefill_batch
+from octavo.model.attention.torch_backend import TorchAttentionBackend, write_kv
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
@@ -21,6 +28,22 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     @property
     def isa(self) -> str:
         return self.kernel.isa()
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None):
+        if meta.prefills and q.shape[-1] % 8:
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        decoded = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap) \
+            if nd else None
+        if not meta.prefills:
+            assert decoded is not None
+            return decoded
+        tables, query_start, start_pos = prefill_batch(meta)
+        prefilled = self.kernel.paged_prefill(q[nd:], k_cache, v_cache, tables, query_start,
+                                              start_pos, scale, window or 0, softcap or 0.0)
+        return prefilled if decoded is None else torch.cat([decoded, prefilled])
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None):

@@ -15,6 +15,12 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            c10::optional<at::Tensor> first_pos, int64_t window,
                            double softcap);
 
+// every prefill chunk of a step: q [T,H,D] (chunk c's rows are query_start[c]..query_start[c+1]),
+// its keys at positions 0..start_pos[c]+len-1 through block_tables[c], causal inside the chunk
+at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                         at::Tensor block_tables, at::Tensor query_start, at::Tensor start_pos,
+                         double scale, int64_t window, double softcap);
+
 // the decode path this build carries: "avx512", "avx2" or "portable"
 std::string compiled_isa();
 
