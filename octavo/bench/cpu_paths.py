@@ -6,6 +6,12 @@ next), so this benchmark runs octavo on each build this CPU can run, forcing the
 
 1. **decode attention**: the compiled paged-decode kernel of each build against torch's gather +
    SDPA, batch 32 x 512 tokens of context, the model's head shape, fp32 and bf16;
+   **prefill attention**: one layer's attention over every prefill chunk of a step (K/V write
+   included), the compiled paged-prefill kernel of each build (one call) against the torch
+   backend (one SDPA per chunk, gathering the blocks of chunks that start past 0), for two
+   steps: `prompts` (8 prompts of 32-512 tokens from position 0 and 2 chunked-prefill
+   continuations of 256 tokens after 256 cached) and `verify` (64 sequences, each verifying
+   4 speculative drafts: 5 query tokens after 200-700 cached);
 2. **single stream** (llama-bench's pp/tg shape: a 256-token prompt, 128 new tokens, greedy):
    prefill and generation tok/s, and a decode step split into the model's forward and the
    engine's own overhead (scheduling, batch preparation, sampling, output processing);
@@ -33,7 +39,7 @@ from octavo.bench.engine_run import effective_dtype, make_llm, run_workload
 from octavo.bench.options import BenchOptions
 from octavo.config import ModelConfig
 from octavo.model.attention import get_backend
-from octavo.model.attention.base import AttentionMetadata
+from octavo.model.attention.base import AttentionMetadata, PrefillChunk
 from octavo.model.cpu_isa import supported_isas
 from octavo.model.loader import resolve_model_dir
 
@@ -68,6 +74,53 @@ def decode_attention_rows(cfg: ModelConfig, repeats: int, ctx: int) -> list[dict
                          "ms": 1e3 * median(times)})
     for r in rows:
         base = next(x for x in rows if x["dtype"] == r["dtype"] and x["path"].startswith("torch"))
+        r["x_torch"] = base["ms"] / r["ms"]
+    return rows
+
+
+PREFILL_STEPS = {  # (cached tokens, new tokens) per chunk
+    "prompts": [(0, n) for n in (32, 96, 160, 224, 288, 352, 416, 512)] + [(256, 256)] * 2,
+    "verify": [(200 + 500 * i // 63, 5) for i in range(64)],
+}
+
+
+def prefill_attention_rows(cfg: ModelConfig, repeats: int) -> list[dict]:
+    heads, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for step, chunks in PREFILL_STEPS.items():
+        nblocks = [-(-(c + n) // BLOCK) for c, n in chunks]
+        perm = torch.randperm(sum(nblocks), generator=gen).tolist()
+        prefills, slots, row = [], [], 0
+        for (cached, new), nb in zip(chunks, nblocks, strict=True):
+            table, perm = perm[:nb], perm[nb:]
+            slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, cached + new)]
+            prefills.append(PrefillChunk(row, row + new, cached, torch.tensor(table)))
+            row += new
+        for dtype in (torch.float32, torch.bfloat16):
+            k_cache = torch.randn(sum(nblocks), BLOCK, kvh, hd, generator=gen).to(dtype)
+            v_cache = torch.randn_like(k_cache)
+            qkv = torch.randn(row, heads + 2 * kvh, hd, generator=gen).to(dtype)
+            q, k, v = qkv.split([heads, kvh, kvh], dim=1)  # strided views, as in the model
+            paths = [("torch", None), *(("cpu", isa) for isa in supported_isas())]
+            for name, isa in paths:
+                backend = get_backend(name, torch.device("cpu"), isa)
+                meta = AttentionMetadata(torch.tensor(slots), 0, None, None, prefills)
+                with torch.inference_mode():
+                    backend.forward(q, k, v, k_cache, v_cache, meta, hd**-0.5)  # warm
+                    times = []
+                    for _ in range(repeats):
+                        t = time.perf_counter()
+                        for _ in range(5):
+                            backend.forward(q, k, v, k_cache, v_cache, meta, hd**-0.5)
+                        times.append((time.perf_counter() - t) / 5)
+                rows.append({"step": step, "chunks": len(chunks), "query_tokens": row,
+                             "dtype": str(dtype).removeprefix("torch."),
+                             "path": "torch (SDPA per chunk)" if isa is None
+                             else f"kernel {isa}", "ms": 1e3 * median(times)})
+    for r in rows:
+        base = next(x for x in rows if x["step"] == r["step"] and x["dtype"] == r["dtype"]
+                    and x["path"].startswith("torch"))
         r["x_torch"] = base["ms"] / r["ms"]
     return rows
 
@@ -153,6 +206,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     cfg = ModelConfig.from_dir(resolve_model_dir(opts.model))
     isas = supported_isas()
     attn = decode_attention_rows(cfg, repeats, opts.pick(128, DECODE_CTX))
+    prefill = prefill_attention_rows(cfg, repeats)
     single = single_stream_rows(opts, isas, repeats)
     mixed = mixed_rows(opts, isas, repeats)
     md = [
@@ -164,6 +218,14 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         "",
         md_table(["dtype", "path", "ms / call", "x torch"],
                  [[r["dtype"], r["path"], r["ms"], r["x_torch"]] for r in attn], 3),
+        "",
+        "Prefill attention, one layer, every prefill chunk of a step (K/V write included); "
+        "`prompts`: 8 prompts of 32-512 tokens + 2 continuations of 256 after 256 cached; "
+        "`verify`: 64 sequences x 5 query tokens after 200-700 cached:",
+        "",
+        md_table(["step", "chunks", "query tokens", "dtype", "path", "ms / call", "x torch"],
+                 [[r["step"], r["chunks"], r["query_tokens"], r["dtype"], r["path"], r["ms"],
+                   r["x_torch"]] for r in prefill], 3),
         "",
         "Single stream, fp32 (prompt then greedy generation; a step split into the model's "
         "forward and the engine's overhead):",
@@ -183,7 +245,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     ]
     config = {"repeats": repeats, "isas": isas, "threads": opts.threads}
     res = BenchResult("cpu", opts.command, config,
-                      {"decode_attention": attn, "single_stream": single, "mixed": mixed},
+                      {"decode_attention": attn, "prefill_attention": prefill,
+                       "single_stream": single, "mixed": mixed},
                       "\n".join(md), elapsed_s=time.perf_counter() - t0)
     return res, plot
 

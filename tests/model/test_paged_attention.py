@@ -222,3 +222,59 @@ def test_decode_kernel_window_and_softcap(isa, head_dim, window, softcap, trimme
     got = kernel_backend._decode(q, k_cache, v_cache, meta, scale, window, softcap)
     want = TorchAttentionBackend._decode(q, k_cache, v_cache, meta, scale, window, softcap)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+PREFILL_SHAPES = [  # head_dim, block_size, heads, kv_heads (GQA 1, 3, 8)
+    (16, 1, 4, 4), (64, 16, 9, 3), (128, 32, 8, 1), (256, 16, 8, 2)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: "d{}-bs{}-h{}-kv{}".format(*s))
+@pytest.mark.parametrize("window, softcap", [(None, None), (13, None), (None, 20.0), (40, 5.0)])
+def test_prefill_kernel_equals_torch_on_every_build(isa, dtype, shape, window, softcap):
+    """Every prefill chunk of a step in one paged_prefill call equals the torch backend's
+    per-chunk attention: prompts from 0, prefix hits and later chunks (contexts ending
+    mid-block), one-token and multi-tile chunks, q strided inside a fused qkv buffer, windows
+    and soft caps; every ISA build this CPU runs, the portable one included."""
+    from octavo.model.attention.base import prefill_batch
+    from octavo.model.attention.torch_backend import TorchAttentionBackend
+
+    head_dim, block_size, heads, kv_heads = shape
+    ops = get_backend("cpu", torch.device("cpu"), isa).kernel
+    gen = torch.Generator().manual_seed(head_dim + block_size + (window or 0))
+    chunks = [(0, 37), (13, 5), (100, 1), (3, 64), (48, 33), (0, 2)]  # (cached, new)
+    nblocks = [-(-(c + n) // block_size) for c, n in chunks]
+    num_blocks = sum(nblocks) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    prefills, row = [], 0
+    for (cached, new), nb in zip(chunks, nblocks, strict=True):
+        table, perm = perm[:nb], perm[nb:]
+        prefills.append(PrefillChunk(row, row + new, cached, torch.tensor(table)))
+        row += new
+    qkv = torch.randn(row, heads + 2 * kv_heads, head_dim, generator=gen) * 3
+    q = qkv.to(dtype)[:, :heads]  # strided rows, as the model hands q over
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 0, None, None, prefills)
+    tables, query_start, start_pos = prefill_batch(meta)
+    scale = head_dim**-0.5
+    got = ops.paged_prefill(q, k_cache.to(dtype), v_cache.to(dtype), tables, query_start,
+                            start_pos, scale, window or 0, softcap or 0.0)
+    # the reference: the torch backend on fp32 copies, the K/V already in the cache
+    torch_backend = TorchAttentionBackend()
+    fp32 = q.float().contiguous()
+    want = torch.empty_like(fp32)
+    for p in prefills:  # one chunk at a time: the torch path takes a chunk's new K/V from k, v
+        n = p.query_end - p.query_start
+        ctx = torch.arange(p.start_pos, p.start_pos + n)
+        slots = p.block_table[ctx // block_size] * block_size + ctx % block_size
+        k_new = k_cache.to(dtype).float().view(-1, kv_heads, head_dim)[slots]
+        v_new = v_cache.to(dtype).float().view(-1, kv_heads, head_dim)[slots]
+        one = AttentionMetadata(slots, 0, None, None,
+                                [PrefillChunk(0, n, p.start_pos, p.block_table)])
+        want[p.query_start : p.query_end] = torch_backend.forward(
+            fp32[p.query_start : p.query_end], k_new, v_new, k_cache.to(dtype).float(),
+            v_cache.to(dtype).float(), one, scale, window, softcap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

@@ -8,7 +8,10 @@ once (prompts, chunked-prefill continuations, prefix-cache hits, speculative ver
 chunks), reading their earlier K/V in place through the block tables: no gather, no mask tensor
 and no per-sequence call. Sliding-window layers and soft-capped layers (Gemma 2) take both
 kernels too. A head_dim the prefill kernel does not take (not a multiple of 8) falls back to
-the torch backend's per-chunk path.
+the torch backend's per-chunk path, and so does the portable build (cpu_isa.py), whose prefill
+kernel is exact but slower than torch's SDPA, which picks its own ISA at run time: measured
+with `octavo bench cpu` on 8 prompts of 32-512 tokens, 0.3x torch's speed (AVX2 build 1.5x,
+AVX-512 build 1.8x; on 64 verification chunks of 5 tokens 1.2x, 2.8x and 3.9x).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
+        self.prefill_kernel = kernel.isa() != "portable"
 
     @property
     def isa(self) -> str:
@@ -31,7 +35,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None):
-        if meta.prefills and q.shape[-1] % 8:
+        if meta.prefills and (q.shape[-1] % 8 or not self.prefill_kernel):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes

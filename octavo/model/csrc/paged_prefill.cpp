@@ -38,8 +38,10 @@ constexpr int64_t kQueryTile = 16;
 constexpr int L = Vec::L;
 #if defined(__AVX512F__)
 constexpr int KB = 16, DB = 8;  // 32 zmm registers: 16 scores + 8 outputs + a broadcast
-#else
+#elif defined(__AVX2__) && defined(__FMA__)
 constexpr int KB = 8, DB = 4;  // 16 ymm registers
+#else
+constexpr int KB = 4, DB = 2;  // 16 xmm registers, two per 8-lane Vec
 #endif
 
 struct Item {

@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "decode_avx2.h"
@@ -59,49 +60,52 @@ struct Vec {
   }
 };
 #else
+// GCC/Clang vector extensions: the compiler splits the 8 lanes into its baseline's registers
+// (two SSE2 registers on x86-64) and keeps them there.
+typedef float float8 __attribute__((vector_size(32)));
 struct Vec {
   static constexpr int L = 8;
-  float v[L];
-  static Vec zero() { return set1(0.f); }
-  static Vec set1(float x) {
-    Vec r;
-    for (int i = 0; i < L; ++i) r.v[i] = x;
-    return r;
-  }
+  float8 v;
+  static Vec zero() { return {float8{}}; }
+  static Vec set1(float x) { return {float8{} + x}; }
   static Vec load(const float* p) {
     Vec r;
-    for (int i = 0; i < L; ++i) r.v[i] = p[i];
+    std::memcpy(&r.v, p, sizeof(r.v));
     return r;
   }
-  void store(float* p) const {
-    for (int i = 0; i < L; ++i) p[i] = v[i];
-  }
-  template <typename F>
-  static Vec map(Vec a, Vec b, F f) {
-    Vec r;
-    for (int i = 0; i < L; ++i) r.v[i] = f(a.v[i], b.v[i]);
-    return r;
-  }
-  friend Vec fma(Vec a, Vec b, Vec c) {
-    Vec r;
-    for (int i = 0; i < L; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
-    return r;
-  }
-  friend Vec operator*(Vec a, Vec b) { return map(a, b, [](float x, float y) { return x * y; }); }
-  friend Vec operator+(Vec a, Vec b) { return map(a, b, [](float x, float y) { return x + y; }); }
-  friend Vec operator-(Vec a, Vec b) { return map(a, b, [](float x, float y) { return x - y; }); }
-  friend Vec max(Vec a, Vec b) { return map(a, b, [](float x, float y) { return x > y ? x : y; }); }
+  void store(float* p) const { std::memcpy(p, &v, sizeof(v)); }
+  friend Vec fma(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
+  friend Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
+  friend Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
+  friend Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
+  friend Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
+  // exp_approx's polynomial on all lanes; rounding to the nearest integer by adding and
+  // subtracting 1.5 * 2^23 (ties to even, as nearbyint), which needs no SSE4.1 round
   friend Vec exp(Vec a) {
-    Vec r;
-    for (int i = 0; i < L; ++i) r.v[i] = a.v[i] == a.v[i] ? exp_approx(a.v[i]) : 0.f;
-    return r;
+    typedef int32_t int8v __attribute__((vector_size(32)));
+    const float8 x0 = a.v, lo = float8{} - 87.3f, hi = float8{} + 88.7f;
+    const int8v keep = x0 >= lo;  // false for NaN and -inf
+    float8 x = x0 < lo ? lo : x0;
+    x = x > hi ? hi : x;
+    const float8 magic = float8{} + 12582912.f;
+    const float8 fx = (x * 1.44269504088896341f + magic) - magic;
+    float8 r = x - fx * 0.693359375f;
+    r = r - fx * -2.12194440e-4f;
+    float8 p = float8{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int8v bits = (__builtin_convertvector(fx, int8v) + 127) << 23;
+    float8 scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return {keep ? p * scale : float8{}};
   }
   friend Vec keep_between(Vec s, Vec x, Vec lo, Vec hi) {
-    Vec r;
-    for (int i = 0; i < L; ++i)
-      r.v[i] = lo.v[i] <= x.v[i] && x.v[i] <= hi.v[i] ? s.v[i]
-                                                      : -std::numeric_limits<float>::infinity();
-    return r;
+    const float8 neg_inf = float8{} - std::numeric_limits<float>::infinity();
+    return {lo.v <= x.v && x.v <= hi.v ? s.v : neg_inf};
   }
 };
 #endif
