@@ -135,20 +135,19 @@ class InputBatch:
         prefills: list[PrefillChunk] = []
         prefill_slots: list[torch.Tensor] = []
         row = len(decode_idx)
-        tables_of: list[list[int]] = []
         for i in prefill_idx:
             c = chunks[i]
             n = c.num_query_tokens
             end = c.start_pos + n
             nblocks = -(-end // bs)
-            tables_of.append(self.seqs[c.seq_id].block_tables[group][:nblocks])
-            table = torch.tensor(tables_of[-1], dtype=torch.long)
+            table = torch.tensor(self.seqs[c.seq_id].block_tables[group][:nblocks],
+                                 dtype=torch.long)
             pos = torch.arange(c.start_pos, end)
             prefill_slots.append(table[pos // bs] * bs + pos % bs)
             prefills.append(PrefillChunk(row, row + n, c.start_pos, table.to(device)))
             row += n
         slot_mapping = torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots])
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=slot_mapping.to(device),
             num_decodes=len(decode_idx),
             decode_block_tables=decode_tables,
@@ -156,14 +155,3 @@ class InputBatch:
             prefills=prefills,
             decode_first_pos=decode_first,
         )
-        if prefills:
-            width = max(len(t) for t in tables_of)
-            meta.prefill_block_tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables_of], dtype=torch.long, device=device)
-            first = len(decode_idx)
-            meta.prefill_query_start = torch.tensor(
-                [p.query_start - first for p in prefills] + [row - first], dtype=torch.long,
-                device=device)
-            meta.prefill_start_pos = torch.tensor([p.start_pos for p in prefills],
-                                                  dtype=torch.long, device=device)
-        return meta

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass(slots=True)
@@ -34,30 +35,25 @@ class AttentionMetadata:
     # sliding-window groups: the position of each decode row's first gathered key (its block
     # table starts at the window's first block); None: the tables start at position 0
     decode_first_pos: torch.Tensor | None = None
-    # the prefill chunks as one batch (for kernels that take them in one call): each chunk's
-    # block table padded to one width [num_chunks, width], its rows in q counted from the first
-    # prefill row (query_start [num_chunks + 1]) and its start position [num_chunks]
+    # the prefill chunks as one batch, for kernels that take them in one call (prefill_batch)
     prefill_block_tables: torch.Tensor | None = None
     prefill_query_start: torch.Tensor | None = None
     prefill_start_pos: torch.Tensor | None = None
 
 
 def prefill_batch(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(block tables, query_start, start_pos) of the prefill chunks as one batch; built from
-    `meta.prefills` once (the runner's InputBatch fills them in already)."""
+    """The prefill chunks as one batch, built on first use and kept with the step's metadata
+    (every layer reads the same): each chunk's block table padded to one width
+    [num_chunks, width], its rows in q counted from the first prefill row (query_start,
+    [num_chunks + 1]) and its start position [num_chunks]."""
     if meta.prefill_block_tables is None:
         chunks = meta.prefills
-        width = max(len(c.block_table) for c in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.long,
-                             device=chunks[0].block_table.device)
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.block_table)] = c.block_table
         first = chunks[0].query_start
-        meta.prefill_block_tables = tables
+        meta.prefill_block_tables = pad_sequence([c.block_table for c in chunks],
+                                                 batch_first=True)
         meta.prefill_query_start = torch.tensor(
-            [c.query_start - first for c in chunks] + [chunks[-1].query_end - first],
-            dtype=torch.long)
-        meta.prefill_start_pos = torch.tensor([c.start_pos for c in chunks], dtype=torch.long)
+            [c.query_start - first for c in chunks] + [chunks[-1].query_end - first])
+        meta.prefill_start_pos = torch.tensor([c.start_pos for c in chunks])
     assert meta.prefill_query_start is not None and meta.prefill_start_pos is not None
     return meta.prefill_block_tables, meta.prefill_query_start, meta.prefill_start_pos
 
