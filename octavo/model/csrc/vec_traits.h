@@ -79,29 +79,11 @@ struct Vec {
   friend Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
   friend Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
   friend Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
-  // exp_approx's polynomial on all lanes; rounding to the nearest integer by adding and
-  // subtracting 1.5 * 2^23 (ties to even, as nearbyint), which needs no SSE4.1 round
-  friend Vec exp(Vec a) {
-    typedef int32_t int8v __attribute__((vector_size(32)));
-    const float8 x0 = a.v, lo = float8{} - 87.3f, hi = float8{} + 88.7f;
-    const int8v keep = x0 >= lo;  // false for NaN and -inf
-    float8 x = x0 < lo ? lo : x0;
-    x = x > hi ? hi : x;
-    const float8 magic = float8{} + 12582912.f;
-    const float8 fx = (x * 1.44269504088896341f + magic) - magic;
-    float8 r = x - fx * 0.693359375f;
-    r = r - fx * -2.12194440e-4f;
-    float8 p = float8{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int8v bits = (__builtin_convertvector(fx, int8v) + 127) << 23;
-    float8 scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    return {keep ? p * scale : float8{}};
+  friend Vec exp(Vec a) {  // lane by lane (SSE2 has no vector round for exp_approx)
+    alignas(32) float x[L];
+    std::memcpy(x, &a.v, sizeof(x));
+    for (int i = 0; i < L; ++i) x[i] = x[i] == x[i] ? exp_approx(x[i]) : 0.f;
+    return load(x);
   }
   friend Vec keep_between(Vec s, Vec x, Vec lo, Vec hi) {
     const float8 neg_inf = float8{} - std::numeric_limits<float>::infinity();
