@@ -61,19 +61,32 @@ def decode_attention_rows(cfg: ModelConfig, repeats: int, ctx: int) -> list[dict
         paths = [("torch", None), *(("cpu", isa) for isa in supported_isas())]
         for name, isa in paths:
             backend = get_backend(name, torch.device("cpu"), isa)
-            with torch.inference_mode():
-                backend._decode(q, k, v, meta, hd**-0.5)  # warm
-                times = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    for _ in range(10):
-                        backend._decode(q, k, v, meta, hd**-0.5)
-                    times.append((time.perf_counter() - t) / 10)
+            ms = call_ms(backend._decode, (q, k, v, meta, hd**-0.5), repeats, 10)
             rows.append({"dtype": str(dtype).removeprefix("torch."),
                          "path": "torch (gather + SDPA)" if isa is None else f"kernel {isa}",
-                         "ms": 1e3 * median(times)})
+                         "ms": ms})
+    return with_x_torch(rows, ("dtype",))
+
+
+def call_ms(fn, args: tuple, repeats: int, calls: int) -> float:
+    """Median over `repeats` of the mean ms of `calls` calls of `fn(*args)`, after one warm-up
+    call."""
+    with torch.inference_mode():
+        fn(*args)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn(*args)
+            times.append((time.perf_counter() - t) / calls)
+    return 1e3 * median(times)
+
+
+def with_x_torch(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """Each row's speed-up over the torch row that agrees with it on `keys`."""
     for r in rows:
-        base = next(x for x in rows if x["dtype"] == r["dtype"] and x["path"].startswith("torch"))
+        base = next(x for x in rows if all(x[k] == r[k] for k in keys)
+                    and x["path"].startswith("torch"))
         r["x_torch"] = base["ms"] / r["ms"]
     return rows
 
@@ -106,23 +119,13 @@ def prefill_attention_rows(cfg: ModelConfig, repeats: int) -> list[dict]:
             for name, isa in paths:
                 backend = get_backend(name, torch.device("cpu"), isa)
                 meta = AttentionMetadata(torch.tensor(slots), 0, None, None, prefills)
-                with torch.inference_mode():
-                    backend.forward(q, k, v, k_cache, v_cache, meta, hd**-0.5)  # warm
-                    times = []
-                    for _ in range(repeats):
-                        t = time.perf_counter()
-                        for _ in range(5):
-                            backend.forward(q, k, v, k_cache, v_cache, meta, hd**-0.5)
-                        times.append((time.perf_counter() - t) / 5)
+                ms = call_ms(backend.forward, (q, k, v, k_cache, v_cache, meta, hd**-0.5),
+                             repeats, 5)
                 rows.append({"step": step, "chunks": len(chunks), "query_tokens": row,
                              "dtype": str(dtype).removeprefix("torch."),
                              "path": "torch (SDPA per chunk)" if isa is None
-                             else f"kernel {isa}", "ms": 1e3 * median(times)})
-    for r in rows:
-        base = next(x for x in rows if x["step"] == r["step"] and x["dtype"] == r["dtype"]
-                    and x["path"].startswith("torch"))
-        r["x_torch"] = base["ms"] / r["ms"]
-    return rows
+                             else f"kernel {isa}", "ms": ms})
+    return with_x_torch(rows, ("step", "dtype"))
 
 
 def timed_forward(llm) -> list[float]:

@@ -68,7 +68,7 @@ class APIKeyMiddleware:
         browser = reads_cookie(scope["path"]) and scope["method"] in ("GET", "HEAD")
         if browser:
             given.append(cookie_value(headers.get(b"cookie", b""), KEY_COOKIE))
-            if scope["path"] == DASHBOARD and login and self.matches(login.encode("latin-1")):
+            if scope["path"] == DASHBOARD and login and self.matches(login.encode()):
                 await send_login(send, login)
                 return
         if not any(self.matches(key) for key in given):
