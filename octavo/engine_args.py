@@ -127,6 +127,15 @@ class EngineArgs:
         None, "speculative decoding, vLLM's dict (JSON on the command line), e.g. "
         "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}",
         check=_speculative)
+    # -- parallelism ----------------------------------------------------------------------
+    tensor_parallel_size: int = _opt(
+        1, "ranks that each hold a slice of every layer (heads, MLP units, vocabulary) and "
+        "all-reduce twice per layer", check=_at_least(1))
+    distributed_executor_backend: str | None = _opt(
+        None, "who runs the ranks: uni (this process; tensor_parallel_size 1), mp (a worker "
+        "process per rank on this machine) or ray (Ray actors over a Ray cluster, joined "
+        "through RAY_ADDRESS) (default: uni for one rank, mp for more)",
+        choices=("uni", "mp", "ray"))
     # -- kernels --------------------------------------------------------------------------
     attention_backend: str = _opt(
         "auto", "auto, torch (gather + SDPA) or cpu (the compiled paged-decode kernel)",
@@ -153,7 +162,7 @@ class EngineArgs:
             problem = _type_problem(str(f.type), value)
             if problem is not None:
                 raise EngineArgsError(f.name, problem)
-            if choices is not None and value not in choices:
+            if choices is not None and value is not None and value not in choices:
                 allowed = ", ".join(map(str, choices))
                 raise EngineArgsError(f.name, f"{value!r} is not one of {allowed}")
             problem = check(value) if check is not None else None
@@ -163,6 +172,22 @@ class EngineArgs:
             # a custom processor keeps per-sequence state a step of several positions breaks
             raise EngineArgsError("speculative_config", "cannot be combined with "
                                   "logits_processors")
+        if self.tensor_parallel_size > 1:
+            if self.distributed_executor_backend == "uni":
+                raise EngineArgsError("distributed_executor_backend", "uni runs one rank; "
+                                      f"tensor_parallel_size={self.tensor_parallel_size} "
+                                      "needs mp or ray")
+            spec = self.speculative()
+            if spec is not None and spec.method != "ngram":
+                raise EngineArgsError("speculative_config", f"method {spec.method!r} does not "
+                                      "run with tensor_parallel_size > 1 yet (ngram does)")
+
+    @property
+    def executor_backend(self) -> str:
+        """distributed_executor_backend as resolved: uni for one rank, else mp unless given."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
     # -- derived configs ------------------------------------------------------------------
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:

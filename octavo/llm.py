@@ -164,3 +164,14 @@ class LLM:
 
     def stats(self) -> dict[str, int | float]:
         return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this LLM is garbage
+        collected, and when the process exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -35,6 +35,7 @@ from typing import Any, Protocol, TypeVar
 
 from octavo.engine.engine import LLMEngine, StepFailed
 from octavo.engine.engine_thread import EngineThread
+from octavo.engine.executor import WorkerDiedError
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 
@@ -194,6 +195,9 @@ class AsyncLLMEngine:
         for future in list(self._pending_calls):  # queued behind the stop: never run
             if not future.done():
                 future.set_exception(RuntimeError("the engine stopped"))
+        # the executor's workers (tensor parallelism), stopped on the thread that steps them
+        with contextlib.suppress(Exception):
+            await asyncio.wrap_future(self._thread.submit(self.engine.shutdown))
         self._thread.close()
         self._thread = None
 
@@ -203,7 +207,12 @@ class AsyncLLMEngine:
 
     @property
     def accepting(self) -> bool:
-        return self._accepting and self.is_running
+        return self._accepting and self.is_running and self.dead is None
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel worker died), or None."""
+        return self.engine.executor.dead
 
     # ---- requests (event loop) ------------------------------------------------------------
     async def add_request(
@@ -220,7 +229,7 @@ class AsyncLLMEngine:
         """Queue several requests in one command (one round trip to the engine thread, all in
         the same step); all are accepted or none (the first error is raised)."""
         if not self.accepting:
-            raise RequestAbortedError("the server is shutting down")
+            raise RequestAbortedError(self.dead or "the server is shutting down")
         assert self._loop is not None
         streams = [RequestStream(r.request_id, self) for r in requests]
         future = self._loop.create_future()
@@ -302,8 +311,8 @@ class AsyncLLMEngine:
         if isinstance(cmd, _Add):
             added: list[str] = []
             try:
-                if not self._accepting:
-                    raise RequestAbortedError("the server is shutting down")
+                if not self._accepting or self.dead is not None:
+                    raise RequestAbortedError(self.dead or "the server is shutting down")
                 for r in cmd.requests:
                     self.engine.add_request(r.request_id, r.prompt, r.params, r.priority)
                     added.append(r.request_id)
@@ -333,6 +342,10 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except StepFailed as e:
+            if isinstance(e.__cause__, WorkerDiedError):  # nothing can run any more: fail all
+                logger.error("engine is dead: %s; failing every request", e.__cause__)
+                self._fail_all(EngineStepError(f"engine step failed: {e.__cause__}"))
+                return
             # only the requests of that step fail; the others, waiting, go on
             logger.error("engine step failed (%s); failing its %d requests", e.__cause__,
                          len(e.request_ids), exc_info=e.__cause__)

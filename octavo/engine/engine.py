@@ -17,6 +17,7 @@ import logging
 import time
 
 from octavo.config import ModelConfig
+from octavo.engine.executor import Executor, make_executor
 from octavo.engine.input_processor import InputProcessor, load_tokenizer
 from octavo.engine.kv_map import KVMapper
 from octavo.engine.kv_sizing import check_max_model_len, make_kv_manager, resolve_max_model_len
@@ -26,7 +27,6 @@ from octavo.engine.scheduler import Scheduler
 from octavo.engine.structured_output import StructuredOutputs
 from octavo.engine_args import EngineArgs
 from octavo.model.loader import resolve_model_dir
-from octavo.model.runner import ModelRunner
 from octavo.outputs import RequestOutput
 from octavo.paging.block_hash import BlockHasher
 from octavo.sampling_params import BeamSearchParams, SamplingParams
@@ -50,15 +50,18 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         check_max_model_len(args, self.model_config)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.runner = ModelRunner(args, self.model_dir, self.model_config)
-        blocks = self.runner.size_kv_blocks()  # after the weights: on CUDA, what is left
+        # the model runs here (uni) or on tensor-parallel workers (mp, ray): engine/executor/
+        self.executor: Executor = make_executor(args, self.model_dir, self.model_config)
+        self.runner = self.executor.runner  # None where the ranks run elsewhere
+        blocks = self.executor.size_kv_blocks()  # after the weights: on CUDA, what is left
         self.max_model_len = resolve_max_model_len(args, self.model_config, blocks.num_blocks)
-        self.runner.init_kv_cache(blocks.num_blocks, blocks.num_host_blocks)
+        self.executor.init_kv_cache(blocks.num_blocks, blocks.num_host_blocks)
         self.kv = make_kv_manager(args, blocks.num_blocks, blocks.num_host_blocks,
                                   self.max_model_len, self.model_config)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
-        if self.scheduler.speculator is not None and self.runner.drafter is not None:
-            self.scheduler.speculator.draft_token_share = self.runner.drafter.share
+        drafter = self.executor.drafter
+        if self.scheduler.speculator is not None and drafter is not None:
+            self.scheduler.speculator.draft_token_share = drafter.share
         caching = args.enable_prefix_caching and args.kv_allocator == "paged"
         hasher = BlockHasher(args.block_size) if caching else None
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
@@ -112,7 +115,7 @@ class LLMEngine:
         plan.grammar_bitmask = self.structured.bitmask(plan, self.scheduler.seqs)
         started = time.perf_counter()
         try:
-            out = self.runner.execute(plan)
+            out = self.executor.execute(plan)
         except Exception as e:
             self.structured.wait(plan)
             self.scheduler.step_failed(plan)
@@ -133,7 +136,15 @@ class LLMEngine:
                 self.requests.pop(output.request_id, None)
         return outputs
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (tensor parallelism); a no-op for one rank in-process."""
+        self.executor.shutdown()
+
     # ---- introspection --------------------------------------------------------------------
+    def kernel_path(self) -> dict:
+        """The kernels the model runs on (rank 0's, under tensor parallelism)."""
+        return self.executor.kernel_path()
+
     def stats(self) -> dict[str, int | float]:
         s = dict(self.kv.stats())
         sch = self.scheduler

@@ -26,6 +26,9 @@ Put = Callable[[str, torch.Tensor], None]
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False  # Qwen3 sets it
+    # tensor parallelism: cuts this rank's slice from each full checkpoint tensor as it loads
+    # (tensor_parallel.ShardPlan.shard); None: the whole model
+    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -75,6 +78,8 @@ class LlamaForCausalLM(nn.Module):
         def put(name: str, value: torch.Tensor) -> None:
             if name not in own:
                 raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r}")
+            if self.shard is not None:
+                value = self.shard(name, value)
             param = own[name]
             if param.shape != value.shape:
                 raise ValueError(

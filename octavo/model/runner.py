@@ -35,6 +35,7 @@ from octavo.model.registry import model_class
 from octavo.model.sampler import Sampler, compute_logprobs
 from octavo.model.sampling_metadata import SamplingMetadata
 from octavo.model.self_draft import SelfDrafter
+from octavo.model.tensor_parallel import ShardPlan, TPGroup, parallelize
 from octavo.step_plan import RunnerOutput, SeqChunk, StepPlan
 
 __all__ = ["DTYPES", "ModelRunner", "load_model"]
@@ -51,17 +52,26 @@ def resolve_device(device: str) -> torch.device:
 def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, linear_backend: str | None = None, fused_ops: str | None = None,
-    isa: str | None = None,
+    isa: str | None = None, tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
+    """The model (with `tp` of size > 1: this rank's slice of it, see tensor_parallel.py)."""
+    shards = ShardPlan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
+    build = shards.local_config if shards is not None else config
     with torch.device("meta"):
-        model = model_class(config)(config, max_positions)
+        model = model_class(build)(build, max_positions)
     model = model.to_empty(device=device)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 tensors[name] = f.get_tensor(name)
-    model.load_hf_state_dict(tensors)
+    if shards is not None:
+        assert tp is not None
+        model.shard = shards.shard
+        model.load_hf_state_dict(tensors)
+        parallelize(model, shards, tp)
+    else:
+        model.load_hf_state_dict(tensors)
     model.rotary = RotaryEmbedding(config, max_positions).to(device)
     model = model.to(dtype=dtype)
     model.rotary.to(torch.float32)  # tables stay fp32; cast per step like transformers
@@ -81,9 +91,17 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, model_dir: Path, config: ModelConfig) -> None:
+    """`tp`: this runner's rank in a tensor-parallel group (None: the whole model here). Every
+    rank executes every plan; rank 0's RunnerOutput is the step's."""
+
+    def __init__(self, args: EngineArgs, model_dir: Path, config: ModelConfig,
+                 tp: TPGroup | None = None) -> None:
         self.args = args
         self.config = config
+        self.tp = tp
+        # what this rank's layers and KV cache hold (its heads and MLP units under TP)
+        self.local_config = (ShardPlan(config, tp.rank, tp.size).local_config
+                             if tp is not None and tp.size > 1 else config)
         self.device = resolve_device(args.device)
         isa, self.dtype_choice = resolve_isa_and_dtype(args.cpu_isa, args.dtype, config,
                                                        self.device)
@@ -93,7 +111,7 @@ class ModelRunner:
         torch.manual_seed(args.seed)
         max_positions = args.max_model_len or config.max_position_embeddings
         self.model = load_model(model_dir, config, self.dtype, self.device, max_positions,
-                                args.linear_backend, args.fused_ops, isa)
+                                args.linear_backend, args.fused_ops, isa, tp)
         self.backend = get_backend(args.attention_backend, self.device, isa)
         self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()
@@ -138,11 +156,11 @@ class ModelRunner:
         extra = 0
         if isinstance(self.drafter, DraftModelDrafter):  # its cache has the target's blocks
             extra = KVCache.bytes_per_block(self.drafter.config, self.block_size, self.dtype)
-        return size_kv_blocks(self.args, self.config, self.dtype, self.device, mem_get_info,
-                              extra_block_bytes=extra)
+        return size_kv_blocks(self.args, self.local_config, self.dtype, self.device,
+                              mem_get_info, extra_block_bytes=extra)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
-        self.kv_cache = KVCache(self.config, num_blocks, self.block_size, self.dtype,
+        self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
                                 self.device, num_host_blocks)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, self.block_size, self.dtype, self.device)

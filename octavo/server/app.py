@@ -67,6 +67,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def health() -> Response:
         if not engine.is_running:
             raise OpenAIError(503, "the engine is not running")
+        if engine.dead is not None:
+            raise OpenAIError(503, f"the engine is dead: {engine.dead}")
         if not engine.accepting:
             raise OpenAIError(503, "the server is shutting down")
         return Response(status_code=200)

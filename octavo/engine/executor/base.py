@@ -1,0 +1,77 @@
+"""Executors: who runs the model for the engine. The engine schedules in one place and hands
+each step's plan to its executor, which runs it on one or several workers (vLLM's split):
+
+- `UniExecutor`: one ModelRunner in this process (tensor_parallel_size 1);
+- `MultiprocExecutor` (mp.py): one worker process per tensor-parallel rank on this machine;
+- `RayExecutor` (ray.py): the ranks as Ray actors, on any machines of a Ray cluster.
+
+Every executor answers the same calls, in the order the engine makes them: `size_kv_blocks`
+(the fewest blocks any rank fits), `init_kv_cache`, then `execute(plan)` once per step, which
+returns rank 0's RunnerOutput. A worker that dies makes the executor dead for good: the call
+raises WorkerDiedError naming the worker, and so does every later call; `dead` says why.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from octavo.model.cache_sizing import KVBlockCounts
+from octavo.model.runner import ModelRunner
+from octavo.step_plan import RunnerOutput, StepPlan
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker of the executor died or its group broke; nothing more runs on it."""
+
+
+class Executor(ABC):
+    runner: ModelRunner | None = None  # the model in this process, where there is one
+    dead: str | None = None  # why the executor can no longer run steps
+
+    @abstractmethod
+    def size_kv_blocks(self) -> KVBlockCounts: ...
+
+    @abstractmethod
+    def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> RunnerOutput: ...
+
+    @abstractmethod
+    def kernel_path(self) -> dict[str, Any]: ...
+
+    @property
+    def drafter(self) -> Any:
+        """The runner's drafter (speculative decoding by a model), if it runs in-process."""
+        return None if self.runner is None else self.runner.drafter
+
+    def worker_pids(self) -> list[int]:
+        """The processes of the ranks other than this one, in rank order."""
+        return []
+
+    def shutdown(self) -> None:  # noqa: B027 (nothing to stop in-process)
+        """Stop the workers (idempotent)."""
+
+
+class UniExecutor(Executor):
+    """The whole model in this process."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def size_kv_blocks(self) -> KVBlockCounts:
+        assert self.runner is not None
+        return self.runner.size_kv_blocks()
+
+    def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        assert self.runner is not None
+        self.runner.init_kv_cache(num_blocks, num_host_blocks)
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        assert self.runner is not None
+        return self.runner.execute(plan)
+
+    def kernel_path(self) -> dict[str, Any]:
+        assert self.runner is not None
+        return self.runner.kernel_path()
