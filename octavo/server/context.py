@@ -110,6 +110,8 @@ class ServerContext:
 
     def check_capacity(self) -> None:
         limit = self.config.max_waiting_requests
+        if self.engine.dead is not None:
+            raise OpenAIError(503, f"the engine is dead: {self.engine.dead}")
         if not self.engine.accepting:
             raise OpenAIError(503, "the server is shutting down")
         if limit is not None and self.engine.num_waiting >= limit:

@@ -25,6 +25,23 @@ class WorkerDiedError(RuntimeError):
     """A worker of the executor died or its group broke; nothing more runs on it."""
 
 
+class RankError(RuntimeError):
+    """Every rank raised this in the same call (the message is the lowest rank's); the group
+    is still in step, so only this call failed."""
+
+
+def settle_errors(errors: dict[int, str], size: int) -> None:
+    """After a call to every rank: raise RankError when all ranks failed it, WorkerDiedError
+    when only some did (their collectives no longer line up), nothing when none did."""
+    if not errors:
+        return
+    rank, text = min(errors.items())
+    if len(errors) == size:
+        raise RankError(text)
+    raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed alone, so the group is "
+                          f"out of step: {text}")
+
+
 class Executor(ABC):
     runner: ModelRunner | None = None  # the model in this process, where there is one
     dead: str | None = None  # why the executor can no longer run steps

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from octavo.config import ModelConfig
-from octavo.engine.executor.base import Executor, WorkerDiedError
-from octavo.engine.executor.worker import accepted_drafts, strip_bitmask
+from octavo.engine.executor.base import Executor, WorkerDiedError, settle_errors
+from octavo.engine.executor.worker import ERROR_GRACE_S, accepted_drafts, strip_bitmask
 from octavo.engine_args import EngineArgs
 from octavo.model.cache_sizing import KVBlockCounts
 from octavo.step_plan import RunnerOutput, StepPlan
@@ -40,17 +40,12 @@ from octavo.step_plan import RunnerOutput, StepPlan
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600  # loading a large model's shards
-ERROR_GRACE_S = 10  # how long the other ranks get to report after one rank failed
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-class RankError(RuntimeError):
-    """Every rank raised this (the message is rank 0's)."""
 
 
 def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
@@ -168,13 +163,11 @@ class MultiprocExecutor(Executor):
                     self._died(rank)
                 if replies[rank][0] == "err" and first_error is None:
                     first_error = time.monotonic()
-        errors = {r: v for r, (kind, v) in replies.items() if kind == "err"}
-        if errors:
-            rank, text = min(errors.items())
-            if len(errors) == self.size:
-                raise RankError(text)
-            self._fail(f"tensor-parallel worker rank {rank} failed alone, so the group is out "
-                       f"of step: {text}")
+        try:
+            settle_errors({r: v for r, (kind, v) in replies.items() if kind == "err"},
+                          self.size)
+        except WorkerDiedError as e:
+            self._fail(str(e))
         return [replies[r][1] for r in range(self.size)]
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:

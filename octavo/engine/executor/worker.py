@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 # how long a rank waits in one collective for the others (a rank that died is noticed sooner:
 # its connections close)
 COLLECTIVE_TIMEOUT_S = 300
+ERROR_GRACE_S = 10  # how long the other ranks get to report after one rank failed a call
 
 
 def threads_per_rank(size: int) -> int:
