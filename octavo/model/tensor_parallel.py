@@ -20,7 +20,8 @@ load time (`ShardPlan.shard`, called by the model's loader on every tensor it pu
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +34,21 @@ from octavo.config import ModelConfig
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
+@dataclass(slots=True)
+class CollectiveStats:
+    """What the collectives of one rank cost so far: calls, seconds inside them (waiting for
+    the slower ranks included) and bytes sent in."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+    def add(self, started: float, x: torch.Tensor) -> None:
+        self.calls += 1
+        self.seconds += time.perf_counter() - started
+        self.bytes += x.numel() * x.element_size()
+
+
 @dataclass(frozen=True, slots=True)
 class TPGroup:
     """This process's place in a tensor-parallel group; `group` is its torch ProcessGroup."""
@@ -40,15 +56,20 @@ class TPGroup:
     rank: int
     size: int
     group: Any = None
+    stats: CollectiveStats = field(default_factory=CollectiveStats)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         dist.all_reduce(x, group=self.group)
+        self.stats.add(started, x)
         return x
 
     def all_gather_cols(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, c] on each rank -> [rows, size * c], rank order."""
+        started = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.stats.add(started, x)
         return torch.cat(parts, dim=-1)
 
 

@@ -64,7 +64,12 @@ class Executor(ABC):
         return None if self.runner is None else self.runner.drafter
 
     def worker_pids(self) -> list[int]:
-        """The processes of the ranks other than this one, in rank order."""
+        """The workers' processes, in rank order (none: the model runs in this process)."""
+        return []
+
+    def collective_stats(self, reset: bool = False) -> list[dict[str, Any]]:
+        """Per rank: its collectives' calls, seconds and bytes, and the steps it ran (none
+        without tensor parallelism); `reset` zeroes them after reading."""
         return []
 
     def shutdown(self) -> None:  # noqa: B027 (nothing to stop in-process)

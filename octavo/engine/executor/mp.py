@@ -207,6 +207,9 @@ class MultiprocExecutor(Executor):
         self._accepted = accepted_drafts(plan, out)
         return out
 
+    def collective_stats(self, reset: bool = False) -> list[dict[str, Any]]:
+        return self._call_all("collective_stats", reset)
+
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 

@@ -163,6 +163,9 @@ class RayExecutor(Executor):
         self._accepted = accepted_drafts(plan, out)
         return out
 
+    def collective_stats(self, reset: bool = False) -> list[dict[str, Any]]:
+        return self._call_all("collective_stats", reset)
+
     def worker_pids(self) -> list[int]:
         return [pid for _, pid in self._where]
 

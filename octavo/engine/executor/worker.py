@@ -31,8 +31,8 @@ ERROR_GRACE_S = 10  # how long the other ranks get to report after one rank fail
 
 
 def threads_per_rank(size: int) -> int:
-    """Each rank's share of this machine's cores (OMP_NUM_THREADS, where set, wins)."""
-    env = os.environ.get("OMP_NUM_THREADS")
+    """Each rank's share of this machine's cores (OCTAVO_THREADS_PER_RANK, where set, wins)."""
+    env = os.environ.get("OCTAVO_THREADS_PER_RANK")
     if env and env.isdigit() and int(env) > 0:
         return int(env)
     return max(1, (os.cpu_count() or 1) // size)
@@ -72,6 +72,7 @@ class Worker:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
         self.runner: ModelRunner | None = None
+        self.steps = 0  # plans executed
 
     def init(self, args: EngineArgs, model_dir: Path, config: ModelConfig,
              init_method: str) -> None:
@@ -105,6 +106,7 @@ class Worker:
         """Rank 0: the step's output; the others compute their part of the forward only."""
         runner = self.runner
         assert runner is not None
+        self.steps += 1
         if self.rank == 0:
             return runner.execute(plan)
         for seq_id, tokens in accepted.items():
@@ -113,6 +115,16 @@ class Worker:
                 state.token_ids.extend(tokens)
         runner.forward(plan)
         return None
+
+    def collective_stats(self, reset: bool = False) -> dict[str, Any]:
+        """This rank's collectives so far (tensor_parallel.CollectiveStats) and its steps."""
+        assert self.runner is not None and self.runner.tp is not None
+        stats = self.runner.tp.stats
+        out = {"rank": self.rank, "calls": stats.calls, "seconds": stats.seconds,
+               "bytes": stats.bytes, "steps": self.steps}
+        if reset:
+            stats.calls, stats.seconds, stats.bytes, self.steps = 0, 0.0, 0, 0
+        return out
 
     def pid(self) -> int:
         return os.getpid()
