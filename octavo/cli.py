@@ -1,4 +1,4 @@
-"""`octavo demo | generate | chat | serve | bench`.
+"""`octavo demo | generate | chat | serve | router | bench`.
 
 Every engine flag comes from octavo/engine_args.py; a bad value fails here, before anything
 heavy is imported or any weight loads.
@@ -87,11 +87,23 @@ def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> in
 def cmd_serve(args: argparse.Namespace) -> int:
     """The OpenAI-compatible HTTP server (octavo/server): one process, engine on a thread that
     also builds it (engine/engine_thread.py says why)."""
+    if args.data_parallel_size != 1:  # N replicas behind the prefix-aware router
+        from octavo.router.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args)
     from octavo.server.launcher import build_and_serve, server_config
 
     config = server_config(args)
     return build_and_serve(lambda: make_llm(args), config, args.host, args.port,
                            args.uvicorn_log_level)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    """The prefix-aware router in front of `octavo serve` replicas (octavo/router)."""
+    from octavo.router.args import router_config
+    from octavo.router.launcher import run_router
+
+    return run_router(router_config(args), args.host, args.port, args.uvicorn_log_level)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -125,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_args(p)
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("router", help="prefix-aware router in front of `octavo serve` replicas")
+    from octavo.router.args import add_router_args
+
+    add_router_args(p)
+    p.set_defaults(func=cmd_router)
     p = sub.add_parser("bench", help="benchmarks: JSON, PNG and markdown under --out")
     from octavo.bench.cli import add_bench_args
 

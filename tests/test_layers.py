@@ -4,6 +4,7 @@ in a cycle.
 
     neutral (sampling_params, outputs, step_plan, config, engine_args)
     paging <- engine <- llm <- {chat, server <- bench} <- cli;   model <- engine
+    {server, paging, model} <- router <- {bench, cli}   (the data-parallel router)
     paging and model know nothing of each other, of requests or of the layers above them.
 """
 
@@ -27,8 +28,10 @@ ALLOWED = {
     "llm": {"llm", "engine", "neutral"},
     "chat": {"chat", "llm", "neutral"},
     "server": {"server", "llm", "engine", "neutral", "api"},
-    "bench": {"bench", "server", "llm", "engine", "paging", "model", "neutral", "api"},
-    "cli": {"cli", "chat", "server", "bench", "llm", "neutral", "api"},
+    "router": {"router", "server", "paging", "model", "neutral"},
+    "bench": {"bench", "router", "server", "llm", "engine", "paging", "model", "neutral",
+              "api"},
+    "cli": {"cli", "chat", "server", "router", "bench", "llm", "neutral", "api"},
     "api": {"api", "llm", "neutral"},  # octavo/__init__.py: the public names, lazily
 }
 

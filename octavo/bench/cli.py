@@ -35,6 +35,8 @@ BENCHMARKS = {
     "saturation": "octavo.bench.saturation",
     "spec": "octavo.bench.spec_decode",
     "kvmap": "octavo.bench.kv_map",
+    "tp": "octavo.bench.tensor_parallel",
+    "router": "octavo.bench.router",
 }
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from octavo.config import ModelConfig
+from octavo.model.shm_comm import ShmComm
 
 # families whose layers are all Llama's Attention and gated MLP (the MoE families are not)
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -57,18 +58,28 @@ class TPGroup:
     size: int
     group: Any = None
     stats: CollectiveStats = field(default_factory=CollectiveStats)
+    # ranks on one machine: collectives through shared memory (shm_comm.py), gloo otherwise
+    # and for tensors larger than its slots
+    shm: ShmComm | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        if self.shm is not None and self.shm.fits(x):
+            self.shm.all_reduce_(x)
+        else:
+            dist.all_reduce(x, group=self.group)
         self.stats.add(started, x)
         return x
 
     def all_gather_cols(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, c] on each rank -> [rows, size * c], rank order."""
         started = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        x = x.contiguous()
+        if self.shm is not None and self.shm.fits(x):
+            parts = self.shm.all_gather(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
         self.stats.add(started, x)
         return torch.cat(parts, dim=-1)
 

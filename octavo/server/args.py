@@ -43,6 +43,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-sequences-per-request", type=int,
                    default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                    help="answer 400 when prompts x n exceeds this")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="run this many replicas of the server (child processes, each on a "
+                   "free 127.0.0.1 port with its share of the cores) behind a prefix-aware "
+                   "router on --host/--port (octavo/router; default: %(default)s)")
     a = p.add_argument_group("tools and reasoning (vLLM's flag names)")
     a.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let the model decide when to call tools (tool_choice 'auto', the "

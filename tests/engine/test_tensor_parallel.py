@@ -129,13 +129,18 @@ def test_tp2_gives_the_greedy_tokens_of_one_rank_on_the_embedded_model():
         assert two.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_tp2_with_preemption_and_chunked_prefill_on_uneven_shards(uneven_dir):
+@pytest.mark.parametrize("collectives", ["shared memory", "gloo"])
+def test_tp2_with_preemption_and_chunked_prefill_on_uneven_shards(uneven_dir, collectives,
+                                                                   monkeypatch):
+    if collectives == "gloo":  # the workers inherit it: every collective over gloo's TCP
+        monkeypatch.setenv("OCTAVO_TP_SHM", "0")
     prompts = [{"prompt_token_ids": [(7 * j + i) % 250 + 3 for i in range(40 + 9 * j)]}
                for j in range(6)]
     opts = dict(model=str(uneven_dir), num_kv_blocks=24, block_size=8,
                 max_num_batched_tokens=32, enable_prefix_caching=True)
     want = _greedy(LLM(**opts), prompts, 40)
     with LLM(tensor_parallel_size=2, **opts) as two:
+        assert two.engine.kernel_path()["collectives"] == collectives
         assert _greedy(two, prompts, 40) == want
         stats = two.stats()
         assert stats["num_preemptions"] > 0

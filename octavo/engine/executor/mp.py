@@ -32,9 +32,9 @@ from typing import Any
 
 from octavo.config import ModelConfig
 from octavo.engine.executor.base import Executor, WorkerDiedError, settle_errors
-from octavo.engine.executor.worker import ERROR_GRACE_S, accepted_drafts, strip_bitmask
 from octavo.engine_args import EngineArgs
 from octavo.model.cache_sizing import KVBlockCounts
+from octavo.model.tp_worker import ERROR_GRACE_S, accepted_drafts, strip_bitmask
 from octavo.step_plan import RunnerOutput, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -49,17 +49,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
-    """Close the connections (a worker exits when its connection closes), then reap."""
+    """Close the connections (a worker exits when its connection closes), then reap; a
+    worker still busy (waiting in a collective for a rank that died) is terminated."""
     for conn in conns:
         with contextlib.suppress(OSError):
             conn.close()
-    deadline = time.monotonic() + 5
+    for signal_after, stop in ((2.0, subprocess.Popen.terminate), (3.0, subprocess.Popen.kill)):
+        deadline = time.monotonic() + signal_after
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.01, deadline - time.monotonic()))
+        for p in procs:
+            if p.poll() is None:
+                stop(p)
     for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        p.wait()
 
 
 class MultiprocExecutor(Executor):

@@ -22,7 +22,9 @@ from typing import Any
 
 from octavo.config import ModelConfig
 from octavo.engine.executor.base import Executor, WorkerDiedError, settle_errors
-from octavo.engine.executor.worker import (
+from octavo.engine_args import EngineArgs
+from octavo.model.cache_sizing import KVBlockCounts
+from octavo.model.tp_worker import (
     ERROR_GRACE_S,
     ResolvedBitmask,
     Worker,
@@ -30,8 +32,6 @@ from octavo.engine.executor.worker import (
     strip_bitmask,
     threads_per_rank,
 )
-from octavo.engine_args import EngineArgs
-from octavo.model.cache_sizing import KVBlockCounts
 from octavo.step_plan import RunnerOutput, StepPlan
 
 logger = logging.getLogger(__name__)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +20,7 @@ from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.cache_sizing import KVBlockCounts
 from octavo.model.runner import ModelRunner
+from octavo.model.shm_comm import ShmComm, shm_usable
 from octavo.model.tensor_parallel import TPGroup
 from octavo.step_plan import GrammarBitmask, RunnerOutput, StepPlan
 
@@ -84,10 +86,34 @@ class Worker:
         dist.init_process_group(backend, init_method=init_method, rank=self.rank,
                                 world_size=self.size,
                                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        tp = TPGroup(self.rank, self.size, dist.group.WORLD)
+        shm = self._shared_memory(args, config) if backend == "gloo" else None
+        tp = TPGroup(self.rank, self.size, dist.group.WORLD, shm=shm)
         self.runner = ModelRunner(args, model_dir, config, tp)
         logger.info("tensor-parallel rank %d/%d ready (pid %d, %d threads, %s)", self.rank,
-                    self.size, os.getpid(), threads, backend)
+                    self.size, os.getpid(), threads, "shared memory" if shm else backend)
+
+    def _shared_memory(self, args: EngineArgs, config: ModelConfig) -> ShmComm | None:
+        """Shared-memory collectives when every rank is on this machine (x86), else None.
+        A slot holds a step's hidden states in fp32 (capped: larger ones go through gloo)."""
+        if not shm_usable():
+            return None
+        hosts: list[Any] = [None] * self.size
+        dist.all_gather_object(hosts, socket.gethostname())
+        if len(set(hosts)) != 1:
+            return None
+        path = [ShmComm.new_path() if self.rank == 0 else None]
+        dist.broadcast_object_list(path, src=0)
+        slot = min(max(args.max_num_batched_tokens * config.hidden_size * 4, 4 << 20), 64 << 20)
+        comm = None
+        if self.rank == 0:
+            comm = ShmComm(path[0], 0, self.size, slot, True, COLLECTIVE_TIMEOUT_S)
+        dist.barrier()
+        if self.rank != 0:
+            comm = ShmComm(path[0], self.rank, self.size, slot, False, COLLECTIVE_TIMEOUT_S)
+        dist.barrier()
+        if self.rank == 0:
+            os.unlink(path[0])  # every rank has it mapped; nothing is left behind
+        return comm
 
     def size_kv_blocks(self) -> KVBlockCounts:
         assert self.runner is not None
@@ -99,8 +125,11 @@ class Worker:
 
     def kernel_path(self) -> dict[str, Any]:
         assert self.runner is not None
+        tp = self.runner.tp
+        collectives = "shared memory" if tp is not None and tp.shm is not None else \
+            dist.get_backend()
         return {**self.runner.kernel_path(), "tensor_parallel_size": self.size,
-                "threads_per_rank": torch.get_num_threads()}
+                "threads_per_rank": torch.get_num_threads(), "collectives": collectives}
 
     def execute(self, plan: StepPlan, accepted: dict[int, list[int]]) -> RunnerOutput | None:
         """Rank 0: the step's output; the others compute their part of the forward only."""
@@ -130,5 +159,8 @@ class Worker:
         return os.getpid()
 
     def close(self) -> None:
+        tp = self.runner.tp if self.runner is not None else None
+        if tp is not None and tp.shm is not None:
+            tp.shm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
