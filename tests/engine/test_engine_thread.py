@@ -61,7 +61,8 @@ def test_serve_builds_the_model_on_the_thread_that_steps_it(monkeypatch):
     monkeypatch.setattr(cli, "make_llm", fake_make_llm)
     monkeypatch.setattr(launcher, "run_server", fake_run_server)
     monkeypatch.setattr(launcher, "server_config", lambda args: "config")
-    args = argparse.Namespace(host="127.0.0.1", port=0, uvicorn_log_level="warning")
+    args = argparse.Namespace(host="127.0.0.1", port=0, uvicorn_log_level="warning",
+                              data_parallel_size=1)
     assert cli.cmd_serve(args) == 0
     assert handed[0] is not None and built_on == [handed[0].ident]
     assert built_on[0] != threading.get_ident()
