@@ -13,12 +13,15 @@ raises WorkerDiedError naming the worker, and so does every later call; `dead` s
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Any
 
 from octavo.model.cache_sizing import KVBlockCounts
 from octavo.model.runner import ModelRunner
 from octavo.step_plan import RunnerOutput, StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
@@ -97,3 +100,33 @@ class UniExecutor(Executor):
     def kernel_path(self) -> dict[str, Any]:
         assert self.runner is not None
         return self.runner.kernel_path()
+
+
+class RankedExecutor(Executor):
+    """An executor of tensor-parallel workers: every call goes to every rank (`_call_all`,
+    the transport's), and a worker that dies makes it dead for good (`_fail`)."""
+
+    name = "ranks"
+
+    @abstractmethod
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """Call `method(*args)` of every rank's Worker; their results in rank order."""
+
+    def _fail(self, why: str) -> None:
+        self.dead = why
+        logger.error("%s executor: %s; stopping the other workers", self.name, why)
+        self.shutdown()
+        raise WorkerDiedError(why)
+
+    def size_kv_blocks(self) -> KVBlockCounts:
+        counts: list[KVBlockCounts] = self._call_all("size_kv_blocks")
+        return min(counts, key=lambda c: c.num_blocks)
+
+    def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        self._call_all("init_kv_cache", num_blocks, num_host_blocks)
+
+    def kernel_path(self) -> dict[str, Any]:
+        return {**self._call_all("kernel_path")[0], "executor": self.name}
+
+    def collective_stats(self, reset: bool = False) -> list[dict[str, Any]]:
+        return self._call_all("collective_stats", reset)

@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from octavo.config import ModelConfig
-from octavo.engine.executor.base import Executor, WorkerDiedError, settle_errors
+from octavo.engine.executor.base import RankedExecutor, WorkerDiedError, settle_errors
 from octavo.engine_args import EngineArgs
-from octavo.model.cache_sizing import KVBlockCounts
 from octavo.model.tp_worker import ERROR_GRACE_S, accepted_drafts, strip_bitmask
 from octavo.step_plan import RunnerOutput, StepPlan
 
@@ -66,7 +65,9 @@ def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
         p.wait()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankedExecutor):
+    name = "mp"
+
     def __init__(self, args: EngineArgs, model_dir: Path, config: ModelConfig) -> None:
         self.size = args.tensor_parallel_size
         self._accepted: dict[int, list[int]] = {}
@@ -142,12 +143,6 @@ class MultiprocExecutor(Executor):
         self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) died"
                    + (f" (exit code {code})" if code is not None else ""))
 
-    def _fail(self, why: str) -> None:
-        self.dead = why
-        logger.error("mp executor: %s; stopping the other workers", why)
-        self.shutdown()
-        raise WorkerDiedError(why)
-
     def _collect(self) -> list[Any]:
         """Every rank's reply to the call just sent."""
         replies: dict[int, tuple[str, Any]] = {}
@@ -183,16 +178,6 @@ class MultiprocExecutor(Executor):
         return self._collect()
 
     # ---- the executor's calls ---------------------------------------------------------------
-    def size_kv_blocks(self) -> KVBlockCounts:
-        counts: list[KVBlockCounts] = self._call_all("size_kv_blocks")
-        return min(counts, key=lambda c: c.num_blocks)
-
-    def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        self._call_all("init_kv_cache", num_blocks, num_host_blocks)
-
-    def kernel_path(self) -> dict[str, Any]:
-        return self._call_all("kernel_path")[0]
-
     def execute(self, plan: StepPlan) -> RunnerOutput:
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
@@ -210,9 +195,6 @@ class MultiprocExecutor(Executor):
         out: RunnerOutput = self._collect()[0]
         self._accepted = accepted_drafts(plan, out)
         return out
-
-    def collective_stats(self, reset: bool = False) -> list[dict[str, Any]]:
-        return self._call_all("collective_stats", reset)
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]

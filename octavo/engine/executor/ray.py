@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from octavo.config import ModelConfig
-from octavo.engine.executor.base import Executor, WorkerDiedError, settle_errors
+from octavo.engine.executor.base import RankedExecutor, WorkerDiedError, settle_errors
 from octavo.engine_args import EngineArgs
-from octavo.model.cache_sizing import KVBlockCounts
 from octavo.model.tp_worker import (
     ERROR_GRACE_S,
     ResolvedBitmask,
@@ -59,7 +58,9 @@ class RayWorker(Worker):
         return f"tcp://{ip}:{free_port(ip)}"
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankedExecutor):
+    name = "ray"
+
     def __init__(self, args: EngineArgs, model_dir: Path, config: ModelConfig) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -104,12 +105,6 @@ class RayExecutor(Executor):
             return f"tensor-parallel worker rank {rank} (node {ip}, pid {pid})"
         return f"tensor-parallel worker rank {rank}"
 
-    def _fail(self, why: str) -> None:
-        self.dead = why
-        logger.error("ray executor: %s; stopping the other workers", why)
-        self.shutdown()
-        raise WorkerDiedError(why)
-
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
@@ -143,16 +138,6 @@ class RayExecutor(Executor):
         return [results[r] for r in range(self.size)]
 
     # ---- the executor's calls ---------------------------------------------------------------
-    def size_kv_blocks(self) -> KVBlockCounts:
-        counts: list[KVBlockCounts] = self._call_all("size_kv_blocks")
-        return min(counts, key=lambda c: c.num_blocks)
-
-    def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        self._call_all("init_kv_cache", num_blocks, num_host_blocks)
-
-    def kernel_path(self) -> dict[str, Any]:
-        return {**self._call_all("kernel_path")[0], "executor": "ray"}
-
     def execute(self, plan: StepPlan) -> RunnerOutput:
         import ray
 
@@ -162,9 +147,6 @@ class RayExecutor(Executor):
         out: RunnerOutput = self._call_all("execute", plan_ref, self._accepted)[0]
         self._accepted = accepted_drafts(plan, out)
         return out
-
-    def collective_stats(self, reset: bool = False) -> list[dict[str, Any]]:
-        return self._call_all("collective_stats", reset)
 
     def worker_pids(self) -> list[int]:
         return [pid for _, pid in self._where]
