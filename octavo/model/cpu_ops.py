@@ -32,26 +32,46 @@ from octavo.model.loader import cache_dir
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp")
-CHOICES = ("auto", "torch", "cpu")
+CHOICES = ("auto", "torch", "cpu", "triton")
 
 
-def select_cpu_ops(setting: str, choice: str | None, device: torch.device,
-                   env_var: str, isa: str | None = None) -> Any | None:
-    """The compiled ops for an engine setting that chooses between them and plain torch, or
-    None for torch. auto: the compiled ops on CPU when they build (`env_var` overrides auto);
-    torch: never; cpu: the compiled ops, or an error naming `setting`. `isa`: the cpu_isa
-    setting (auto: the CPU's best)."""
+def resolve_kernels(setting: str, choice: str | None, device: torch.device,
+                    env_var: str) -> str:
+    """Which kernels an engine setting (attention_backend, fused_ops) picks: "torch", "cpu"
+    (octavo's compiled CPU ops) or "triton" (model/triton_kernels). auto (`env_var`
+    overrides it): the compiled ops on CPU, Triton on CUDA where it is installed, else torch."""
     choice = choice or "auto"
     if choice == "auto":
         choice = os.environ.get(env_var, "auto")
     if choice not in CHOICES:
         raise ValueError(f"{setting}={choice!r} is not one of {CHOICES}")
-    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
-        return None
-    if device.type != "cpu":
+    if choice == "auto" and device.type == "cpu":
+        return "cpu"
+    if choice == "cpu" and device.type != "cpu":
         raise ValueError(f"{setting}='cpu' runs on CPU only")
+    if choice in ("cpu", "torch"):
+        return choice
+    from octavo.model.triton_kernels import triton_missing  # without a GPU: the interpreter
+
+    problem = triton_missing()
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and problem is None else "torch"
+    if problem is not None:
+        raise RuntimeError(f"{setting}='triton': {problem}")
+    return "triton"
+
+
+def select_cpu_ops(setting: str, choice: str | None, device: torch.device,
+                   env_var: str, isa: str | None = None) -> Any | None:
+    """The compiled ops for an engine setting that chooses between them and plain torch, or
+    None for torch (or Triton: see resolve_kernels). auto: the compiled ops on CPU when they
+    build; cpu: the compiled ops, or an error naming `setting`. `isa`: the cpu_isa setting
+    (auto: the CPU's best)."""
+    explicit = (choice or "auto") != "auto" or os.environ.get(env_var, "auto") != "auto"
+    if resolve_kernels(setting, choice, device, env_var) != "cpu":
+        return None
     ops = load_cpu_ops(select_isa(isa))
-    if ops is None and choice == "cpu":
+    if ops is None and explicit:
         raise RuntimeError(f"{setting}='cpu': octavo's compiled CPU ops could not be built on "
                            "this machine")
     return ops

@@ -19,6 +19,8 @@ The cache is zero-initialised: attention reads whole blocks and masks the unfill
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from octavo.config import ModelConfig
@@ -45,6 +47,8 @@ class KVCache:
         self.null_block_id = num_blocks
         pin = device.type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        # a kernel copying blocks (cache, [n, 2] src/dst ids) in one launch; None: indexing
+        self.block_copier: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         slot = self.groups.layer_slot[i]
@@ -52,6 +56,10 @@ class KVCache:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
+            return
+        if self.block_copier is not None:
+            ids = torch.tensor(pairs, dtype=torch.long, device=self.device_cache.device)
+            self.block_copier(self.device_cache, ids)
             return
         src, dst = self._index(pairs, self.device_cache.device)
         self.device_cache[:, :, dst] = self.device_cache[:, :, src]

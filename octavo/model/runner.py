@@ -20,7 +20,7 @@ from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.attention import get_backend
 from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
-from octavo.model.cpu_ops import select_cpu_ops
+from octavo.model.cpu_ops import resolve_kernels, select_cpu_ops
 from octavo.model.draft_acceptance import accept_drafts
 from octavo.model.draft_model import DraftModelDrafter
 from octavo.model.dtype_policy import DTYPES, resolve_isa_and_dtype
@@ -76,7 +76,13 @@ def load_model(
     model = model.to(dtype=dtype)
     model.rotary.to(torch.float32)  # tables stay fp32; cast per step like transformers
     pack_linears(model, linear_backend)
-    model.use_cpu_ops(select_cpu_ops("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS", isa))
+    if resolve_kernels("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS") == "triton":
+        from octavo.model.triton_kernels.fused_ops import TritonFusedOps
+
+        model.use_cpu_ops(TritonFusedOps())
+    else:
+        model.use_cpu_ops(select_cpu_ops("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS",
+                                         isa))
     return model.eval()
 
 
@@ -143,7 +149,8 @@ class ModelRunner:
         for and the one computed in."""
         modules = list(self.model.modules())
         linear = "onednn" if any(isinstance(m, PackedLinear) for m in modules) else "torch"
-        fused = "cpu" if any(getattr(m, "ops", None) is not None for m in modules) else "torch"
+        ops = next((m.ops for m in modules if getattr(m, "ops", None) is not None), None)
+        fused = "torch" if ops is None else "triton" if ops.isa() == "triton" else "cpu"
         compiled = fused == "cpu" or hasattr(self.backend, "kernel")
         return {"device": str(self.device), "dtype": self.dtype_choice.name,
                 "dtype_requested": self.args.dtype,
@@ -162,6 +169,10 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
                                 self.device, num_host_blocks)
+        if self.backend.name == "triton":
+            from octavo.model.triton_kernels.cache_ops import copy_blocks
+
+            self.kv_cache.block_copier = copy_blocks
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
 

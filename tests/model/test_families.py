@@ -114,14 +114,15 @@ def family(request, tmp_path_factory):
 
 
 def check_greedy(name: str, path: Path, ps: list[list[int]], refs: list[list[int]],
-                 config: str) -> LLM:
-    """octavo under CONFIGS[config] gives `refs` (batched, and one by one at block size 1),
-    preempts where it should, and returns every block; the engine, for further checks."""
+                 config: str, **engine) -> LLM:
+    """octavo under CONFIGS[config] (and `engine` options: kernels, say) gives `refs`
+    (batched, and one by one at block size 1), preempts where it should, and returns every
+    block; the engine, for further checks."""
     model = ModelConfig.from_dir(path)
     args = dict(CONFIGS[config])
     if "num_kv_blocks" in args:  # the same memory: a hybrid cache's blocks hold fewer layers
         args["num_kv_blocks"] *= model.kv_groups.num_groups
-    llm = LLM(model=str(path), **args)
+    llm = LLM(model=str(path), **args, **engine)
     assert llm.engine.model_config.model_type == name.split("-")[0]
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
     for i, out in enumerate(outs):

@@ -7,16 +7,21 @@ import torch
 from octavo.model.attention.base import AttentionBackend
 from octavo.model.attention.cpu_backend import CpuPagedAttentionBackend
 from octavo.model.attention.torch_backend import TorchAttentionBackend
-from octavo.model.cpu_ops import select_cpu_ops
+from octavo.model.cpu_ops import resolve_kernels, select_cpu_ops
 
 
 def get_backend(name: str | None, device: torch.device,
                 isa: str | None = None) -> AttentionBackend:
-    """`auto` picks the compiled CPU kernel on CPU when it builds, else plain torch; `isa`
-    chooses its build (cpu_isa.py; auto: the CPU's best).
+    """`auto` picks the compiled CPU kernel on CPU when it builds, the Triton kernels on CUDA
+    when Triton is installed, else plain torch; `isa` chooses the CPU build (cpu_isa.py; auto:
+    the CPU's best). `triton` on CPU runs the Triton kernels in Triton's interpreter (tests).
 
     The environment variable OCTAVO_ATTENTION_BACKEND overrides `auto`.
     """
+    if resolve_kernels("attention_backend", name, device, "OCTAVO_ATTENTION_BACKEND") == "triton":
+        from octavo.model.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     ops = select_cpu_ops("attention_backend", name, device, "OCTAVO_ATTENTION_BACKEND", isa)
     if ops is None:
         return TorchAttentionBackend()

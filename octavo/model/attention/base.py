@@ -51,9 +51,11 @@ def prefill_batch(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, 
         first = chunks[0].query_start
         meta.prefill_block_tables = pad_sequence([c.block_table for c in chunks],
                                                  batch_first=True)
+        device = meta.prefill_block_tables.device
         meta.prefill_query_start = torch.tensor(
-            [c.query_start - first for c in chunks] + [chunks[-1].query_end - first])
-        meta.prefill_start_pos = torch.tensor([c.start_pos for c in chunks])
+            [c.query_start - first for c in chunks] + [chunks[-1].query_end - first],
+            device=device)
+        meta.prefill_start_pos = torch.tensor([c.start_pos for c in chunks], device=device)
     assert meta.prefill_query_start is not None and meta.prefill_start_pos is not None
     return meta.prefill_block_tables, meta.prefill_query_start, meta.prefill_start_pos
 
