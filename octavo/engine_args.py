@@ -146,6 +146,9 @@ class EngineArgs:
         choices=("auto", "torch", "onednn"))
     fused_ops: str = _opt("auto", "auto, torch, cpu or triton (fused RMSNorm / RoPE / "
                           "SiLU-and-mul)", choices=("auto", "torch", "cpu", "triton"))
+    enforce_eager: bool = _opt(
+        False, "never replay decode steps from CUDA graphs (on CUDA with the Triton backend "
+        "they are captured per batch-size bucket at start-up)")
     cpu_isa: str = _opt(
         "auto", "instruction set of the compiled CPU kernels: auto (the CPU's best; "
         "OCTAVO_CPU_ISA overrides), avx512, avx2 or portable",

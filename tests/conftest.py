@@ -9,6 +9,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# without a GPU the Triton kernels run in Triton's interpreter, which must be on before anything
+# imports triton (torch._dynamo does, by way of transformers); see octavo/model/triton_kernels
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_CONFIG = dict(
     vocab_size=256,

@@ -31,14 +31,19 @@ TEXTS = [
 LENGTHS = [1, 2, 7, 16, 17, 63, 100, 255, 256, 300, 511, 700, 1000, 1500]
 
 
-@pytest.fixture(scope="module")
-def prompts(default_model_dir) -> list[list[int]]:
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
+def exactness_prompts(model_dir) -> list[list[int]]:
+    """The texts and the random prompts of 1 to 1500 tokens (tests/gpu reuses them)."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(1234)
     out = [tok.encode(t) for t in TEXTS]
     out += [[rng.randrange(0, 49152) for _ in range(n)] for n in LENGTHS]
     assert len(out) >= 20 and min(map(len, out)) == 1 and max(map(len, out)) == 1500
     return out
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_dir) -> list[list[int]]:
+    return exactness_prompts(default_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ BENCHMARKS = {
     "kvmap": "octavo.bench.kv_map",
     "tp": "octavo.bench.tensor_parallel",
     "router": "octavo.bench.router",
+    "gpu": "octavo.bench.gpu",
 }
 
 
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
 
     torch.set_num_threads(args.threads)
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    if args.name == "all" and not torch.cuda.is_available():
+        names.remove("gpu")  # needs a CUDA device; scripts/gpu_check.sh runs it
     for name in names:
         run_one(name, options(argparse.Namespace(**{**vars(args), "name": name}), argv),
                 args.replot)

@@ -66,6 +66,9 @@ def machine_info() -> dict[str, Any]:
 
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["cuda"] = torch.version.cuda
     except ImportError:  # pragma: no cover - torch is a hard dependency of octavo
         info["torch"] = None
     with contextlib.suppress(OSError):
@@ -76,7 +79,8 @@ def machine_info() -> dict[str, Any]:
 def machine_tag(info: dict[str, Any]) -> str:
     torch_v = info.get("torch") or "n/a"
     flags = " ".join(info.get("cpu_flags") or []) or "no SIMD flags found"
-    return f"{info['cpu']} ({flags}), {info['cores']} cores, torch {torch_v}"
+    gpu = f", {info['gpu']} (CUDA {info.get('cuda')})" if info.get("gpu") else ""
+    return f"{info['cpu']} ({flags}), {info['cores']} cores{gpu}, torch {torch_v}"
 
 
 def median(xs: Sequence[float]) -> float:

@@ -19,8 +19,10 @@ from safetensors import safe_open
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.attention import get_backend
+from octavo.model.attention.base import AttentionMetadata, PrefillChunk
 from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
 from octavo.model.cpu_ops import resolve_kernels, select_cpu_ops
+from octavo.model.cuda_graphs import DecodeGraphs
 from octavo.model.draft_acceptance import accept_drafts
 from octavo.model.draft_model import DraftModelDrafter
 from octavo.model.dtype_policy import DTYPES, resolve_isa_and_dtype
@@ -116,6 +118,8 @@ class ModelRunner:
         self.block_size = args.block_size
         torch.manual_seed(args.seed)
         max_positions = args.max_model_len or config.max_position_embeddings
+        self.max_positions = max_positions
+        self.graphs: DecodeGraphs | None = None  # set by init_kv_cache where they apply
         self.model = load_model(model_dir, config, self.dtype, self.device, max_positions,
                                 args.linear_backend, args.fused_ops, isa, tp)
         self.backend = get_backend(args.attention_backend, self.device, isa)
@@ -155,7 +159,9 @@ class ModelRunner:
         return {"device": str(self.device), "dtype": self.dtype_choice.name,
                 "dtype_requested": self.args.dtype,
                 "isa": self.isa if compiled else "none",
-                "attention": type(self.backend).__name__, "linear": linear, "fused_ops": fused}
+                "attention": type(self.backend).__name__, "linear": linear, "fused_ops": fused,
+                "cuda_graphs": "off" if self.graphs is None else
+                f"decode batches <= {self.graphs.buckets[-1]}"}
 
     # ---- start-up -------------------------------------------------------------------------
     def size_kv_blocks(self, mem_get_info: MemInfo | None = None) -> KVBlockCounts:
@@ -164,7 +170,52 @@ class ModelRunner:
         if isinstance(self.drafter, DraftModelDrafter):  # its cache has the target's blocks
             extra = KVCache.bytes_per_block(self.drafter.config, self.block_size, self.dtype)
         return size_kv_blocks(self.args, self.local_config, self.dtype, self.device,
-                              mem_get_info, extra_block_bytes=extra)
+                              mem_get_info, extra_block_bytes=extra,
+                              activation_peak=self.profile_run)
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """vLLM's profile run: the largest step the scheduler can plan (max_num_batched_tokens
+        prompt tokens in sequences of up to max_model_len, logits for up to max_num_seqs
+        rows) through the model over a throw-away cache just big enough for it. Returns the
+        bytes its activations took at their peak on CUDA (0 elsewhere)."""
+        bs, cuda = self.block_size, self.device.type == "cuda"
+        tokens = max(1, self.args.max_num_batched_tokens)
+        seq_len = min(tokens, self.max_positions)
+        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+        per_seq = -(-seq_len // bs)
+        cache = KVCache(self.local_config, per_seq * len(lens), bs, self.dtype, self.device)
+        metas = [self._profile_meta(lens, per_seq) for _ in self.config.kv_groups.windows]
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        rows = torch.arange(min(tokens, self.args.max_num_seqs), device=self.device)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        logits = self.model(ids, positions, cache, metas, self.backend, rows)
+        # the sampler's largest temporaries: fp32 probabilities, sorted for top-p/top-k
+        logits.softmax(-1).sort(dim=-1, descending=True)
+        peak = 0
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - base
+        del cache, logits
+        if cuda:
+            torch.cuda.empty_cache()
+        logger.info("profile run: %d tokens in %d sequences, activation peak %.1f MiB", tokens,
+                    len(lens), peak / 2**20)
+        return peak
+
+    def _profile_meta(self, lens: list[int], per_seq: int) -> AttentionMetadata:
+        bs, device = self.block_size, self.device
+        prefills, slots, row = [], [], 0
+        for i, n in enumerate(lens):
+            table = torch.arange(i * per_seq, (i + 1) * per_seq, device=device)
+            slots.append(i * per_seq * bs + torch.arange(n, device=device))
+            prefills.append(PrefillChunk(row, row + n, 0, table))
+            row += n
+        return AttentionMetadata(torch.cat(slots), 0, None, None, prefills)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
@@ -175,6 +226,17 @@ class ModelRunner:
             self.kv_cache.block_copier = copy_blocks
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+        if self._wants_cuda_graphs():
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend, self.device,
+                                       self.args.max_num_seqs, self.max_positions,
+                                       self.config.kv_groups.windows)
+            self.graphs.capture_all()
+
+    def _wants_cuda_graphs(self) -> bool:
+        """CUDA graphs for decode: on CUDA, with the Triton backend, one rank, unless
+        enforce_eager (cuda_graphs.py)."""
+        return (self.device.type == "cuda" and not self.args.enforce_eager
+                and self.backend.name == "triton" and (self.tp is None or self.tp.size == 1))
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -229,8 +291,12 @@ class ModelRunner:
                     sample_rows.append(len(wanted))
                     wanted.append(start + n + j)
         logit_idx = torch.tensor(wanted, dtype=torch.long, device=self.device)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metas,
-                            self.backend, logit_idx)
+        bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
+        if bucket is not None:  # a decode-only step: replayed from its bucket's graph
+            logits = self.graphs.run(inputs, bucket)[logit_idx]
+        else:
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache,
+                                inputs.metas, self.backend, logit_idx)
         sampled = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         return StepLogits(sample=sampled,
                           prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows},

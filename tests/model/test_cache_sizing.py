@@ -49,3 +49,39 @@ def test_explicit_sizes_win_and_cpu_has_a_fixed_default():
     assert sized.num_host_blocks == 3
     with pytest.raises(ValueError, match="smaller than one KV block"):
         size_kv_blocks(EngineArgs(kv_cache_memory_bytes=100), CONFIG, torch.float32, cpu)
+
+
+def test_cuda_budget_sets_the_profiled_activation_peak_aside():
+    """The profile run's activation peak comes off the KV budget; it runs only where the
+    budget comes from gpu_memory_utilization."""
+    info = lambda device: (50 * GIB, 80 * GIB)  # noqa: E731
+    runs = []
+
+    def peak() -> int:
+        runs.append(1)
+        return 2 * GIB
+
+    got = size_kv_blocks(EngineArgs(gpu_memory_utilization=0.9), CONFIG, torch.float32, CUDA,
+                         mem_get_info=info, activation_peak=peak)
+    assert got.num_blocks == int(80 * GIB * 0.9 - 30 * GIB - 2 * GIB) // BLOCK_BYTES
+    assert runs == [1]
+    size_kv_blocks(EngineArgs(num_kv_blocks=7), CONFIG, torch.float32, CUDA,
+                   mem_get_info=info, activation_peak=peak)
+    assert runs == [1]
+    with pytest.raises(ValueError, match="activations need 43.00 GiB"):
+        size_kv_blocks(EngineArgs(), CONFIG, torch.float32, CUDA, mem_get_info=info,
+                       activation_peak=lambda: 43 * GIB)
+
+
+@pytest.mark.parametrize("kernels", [{}, {"attention_backend": "triton"}])
+def test_profile_run_runs_the_largest_step_and_leaves_the_cache_alone(tiny_llama_dir, kernels):
+    """The profile run pushes max_num_batched_tokens through the model (here on CPU, where it
+    measures nothing) without touching the engine's own cache."""
+    from octavo.model.runner import ModelRunner
+
+    args = EngineArgs(max_model_len=128, max_num_batched_tokens=300, block_size=16, **kernels)
+    runner = ModelRunner(args, tiny_llama_dir, ModelConfig.from_dir(tiny_llama_dir))
+    runner.init_kv_cache(8)
+    before = runner.kv_cache.device_cache.clone()
+    assert runner.profile_run() == 0
+    assert torch.equal(runner.kv_cache.device_cache, before)
