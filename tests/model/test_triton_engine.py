@@ -18,32 +18,52 @@ FAMILIES = {"llama": (test_families.build, "mistral-full"),
             "gemma2": (test_gemma.build, "gemma2")}
 
 
+TOKENS = 16  # of HF's MAX_TOKENS: greedy prefixes agree (the interpreter pays per step)
+
+
 @pytest.fixture(scope="module")
 def family(request, tmp_path_factory):
     assert triton_missing() is None, triton_missing()
     build, name = FAMILIES[request.param]
     path = build(tmp_path_factory.mktemp(request.param), name)
-    ps = test_families.prompts()
-    load = {"attn_implementation": "eager"} if request.param == "gemma2" else {}
-    return name, path, ps, test_families.hf_greedy(path, ps, **load)
+    ps = [test_families.prompts()[i] for i in (1, 3, 5, 6)]  # 37 and 160 tokens, two more
+    load = {"attn_implementation": "eager"} if request.param == "gemma2" else {}  # sharing 64
+    refs = [r[:TOKENS] for r in test_families.hf_greedy(path, ps, **load)]
+    return request.param, path, ps, refs
 
 
-# each family with the config that exercises its kernels most (the interpreter is slow):
-# plain causal attention with prefix hits and under preemption, windows under preemption and
-# chunked prefill, windows with soft caps and prefix hits
+# each family with the config that exercises its kernels most: plain causal attention with
+# prefix hits and under preemption, windows under preemption and chunked prefill, windows with
+# soft caps and prefix hits
 @pytest.mark.parametrize("family, config", [("llama", "batched-bs16-cache"),
                                             ("llama", "preempt-chunked"),
                                             ("mistral", "preempt-chunked"),
                                             ("gemma2", "batched-bs16-cache")],
                          indirect=["family"])
 def test_greedy_equals_transformers_on_triton(family, config) -> None:
-    # a small cache: the interpreter copies every tensor argument's storage in and out
-    size = {"num_kv_blocks": 96} if config == "batched-bs16-cache" else {}
-    llm = test_families.check_greedy(*family, config, **TRITON, **size)
+    name, path, ps, refs = family
+    args = dict(test_families.CONFIGS[config])
+    if "num_kv_blocks" not in args:  # a small cache: the interpreter copies its arguments
+        args["num_kv_blocks"] = 64
+    if config == "preempt-chunked":
+        args["num_kv_blocks"] = 12
+    llm = LLM(model=str(path), **args, **TRITON)
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ps]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    stats = llm.stats()
+    if config == "preempt-chunked":
+        assert stats["num_preemptions"] > 0
+    else:  # again, from the prefix cache
+        again = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == refs
+        assert llm.stats()["prefix_cache_hit_tokens"] > stats["prefix_cache_hit_tokens"]
+    assert llm.stats()["kv_blocks_used"] == 0
     path = llm.engine.kernel_path()
     assert path["attention"] == "TritonAttentionBackend"
     # Gemma's norms (1 + w) and GELU are its own: it keeps torch's
-    assert path["fused_ops"] == ("torch" if family[0] == "gemma2" else "triton")
+    assert path["fused_ops"] == ("torch" if name == "gemma2" else "triton")
 
 
 def test_forks_copy_blocks_with_the_triton_kernel(tiny_llama_dir) -> None:
