@@ -56,6 +56,10 @@ class LLMEngine:
         blocks = self.executor.size_kv_blocks()  # after the weights: on CUDA, what is left
         self.max_model_len = resolve_max_model_len(args, self.model_config, blocks.num_blocks)
         self.executor.init_kv_cache(blocks.num_blocks, blocks.num_host_blocks)
+        path = self.executor.kernel_path()
+        # the weights in memory (per rank under TP) and what quantization saved
+        self.weight_stats = {k: path.get(k, 0) for k in ("weights_bytes",
+                                                         "quantization_saved_bytes")}
         self.kv = make_kv_manager(args, blocks.num_blocks, blocks.num_host_blocks,
                                   self.max_model_len, self.model_config)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
@@ -156,6 +160,7 @@ class LLMEngine:
             peak_running_seqs=sch.peak_running_seqs,
             prompt_tokens_total=sch.num_prompt_tokens_total,
             generation_tokens_total=sch.num_generation_tokens_total,
+            **self.weight_stats,
         )
         if sch.speculator is not None:
             s.update(sch.speculator.stats.as_stats())

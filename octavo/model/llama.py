@@ -29,6 +29,8 @@ class LlamaForCausalLM(nn.Module):
     # tensor parallelism: cuts this rank's slice from each full checkpoint tensor as it loads
     # (tensor_parallel.ShardPlan.shard); None: the whole model
     shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    # what quantization=... did at load (quantization.QuantReport), None: full precision
+    quant_report: Any = None
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()

@@ -33,6 +33,7 @@ from octavo.model.linear import PackedLinear, pack_linears
 from octavo.model.llama import LlamaForCausalLM
 from octavo.model.loader import resolve_model_dir
 from octavo.model.logits_processor import LogitsProcessors
+from octavo.model.quantization import quantize_model, weight_bytes
 from octavo.model.registry import model_class
 from octavo.model.sampler import Sampler, compute_logprobs
 from octavo.model.sampling_metadata import SamplingMetadata
@@ -54,9 +55,10 @@ def resolve_device(device: str) -> torch.device:
 def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, linear_backend: str | None = None, fused_ops: str | None = None,
-    isa: str | None = None, tp: TPGroup | None = None,
+    isa: str | None = None, tp: TPGroup | None = None, quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """The model (with `tp` of size > 1: this rank's slice of it, see tensor_parallel.py)."""
+    """The model (with `tp` of size > 1: this rank's slice of it, see tensor_parallel.py;
+    with `quantization`, its linear layers quantized, see quantization.py)."""
     shards = ShardPlan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
     build = shards.local_config if shards is not None else config
     with torch.device("meta"):
@@ -77,6 +79,8 @@ def load_model(
     model.rotary = RotaryEmbedding(config, max_positions).to(device)
     model = model.to(dtype=dtype)
     model.rotary.to(torch.float32)  # tables stay fp32; cast per step like transformers
+    model.quant_report = (quantize_model(model, quantization) if quantization is not None
+                          else None)
     pack_linears(model, linear_backend)
     if resolve_kernels("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS") == "triton":
         from octavo.model.triton_kernels.fused_ops import TritonFusedOps
@@ -121,7 +125,8 @@ class ModelRunner:
         self.max_positions = max_positions
         self.graphs: DecodeGraphs | None = None  # set by init_kv_cache where they apply
         self.model = load_model(model_dir, config, self.dtype, self.device, max_positions,
-                                args.linear_backend, args.fused_ops, isa, tp)
+                                args.linear_backend, args.fused_ops, isa, tp,
+                                args.quantization)
         self.backend = get_backend(args.attention_backend, self.device, isa)
         self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()
@@ -161,7 +166,15 @@ class ModelRunner:
                 "isa": self.isa if compiled else "none",
                 "attention": type(self.backend).__name__, "linear": linear, "fused_ops": fused,
                 "cuda_graphs": "off" if self.graphs is None else
-                f"decode batches <= {self.graphs.buckets[-1]}"}
+                f"decode batches <= {self.graphs.buckets[-1]}",
+                **self.weights_report()}
+
+    def weights_report(self) -> dict[str, int | str]:
+        """The weights' bytes in memory, and what quantization saved (0 without)."""
+        report = self.model.quant_report
+        return {"quantization": report.method if report is not None else "none",
+                "weights_bytes": weight_bytes(self.model),
+                "quantization_saved_bytes": report.saved_bytes if report is not None else 0}
 
     # ---- start-up -------------------------------------------------------------------------
     def size_kv_blocks(self, mem_get_info: MemInfo | None = None) -> KVBlockCounts:
