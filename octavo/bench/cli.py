@@ -38,6 +38,7 @@ BENCHMARKS = {
     "tp": "octavo.bench.tensor_parallel",
     "router": "octavo.bench.router",
     "gpu": "octavo.bench.gpu",
+    "quant": "octavo.bench.quant",
 }
 
 

@@ -5,6 +5,7 @@
 - `rms_norm`, `add_rms_norm_`: RMSNorm, and the residual add fused with the next RMSNorm.
 - `rope_`: rotary embedding of q and k, in place in the fused qkv buffer.
 - `silu_and_mul`: SwiGLU's silu(gate) * up from the fused gate_up buffer.
+- `quantize_rows_int8`, `int8_epilogue`: the two ends of a W8A8 linear layer (quantization.py).
 
 They are built with torch's C++ extension tooling into ``$OCTAVO_CACHE/torch_extensions/<isa>``
 (a minute the first time, instant later), once per instruction set (cpu_isa.py): the AVX-512
@@ -31,7 +32,8 @@ from octavo.model.loader import cache_dir
 
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp")
+SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
+           "quant_ops.cpp")
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 

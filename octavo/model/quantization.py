@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,6 +65,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None) -> None:
         super().__init__()
+        self.ops: Any = None  # compiled CPU ops: the fused quantize and epilogue
         self.in_features, self.out_features = weight_q.shape[1], weight_q.shape[0]
         self.register_buffer("weight_q", weight_q)  # [out, in] int8; _int_mm takes its .t()
         self.register_buffer("weight_scale", weight_scale.reshape(1, -1).float())  # [1, out]
@@ -83,8 +85,13 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self.ops is not None:
+            xq, xs = self.ops.quantize_rows_int8(x2.contiguous(), 127.0)
+            acc = torch._int_mm(xq, self.weight_q.t())  # [tokens, out] int32, exact
+            out = self.ops.int8_epilogue(acc, xs, self.weight_scale, self.bias, x.dtype)
+            return out.reshape(*shape[:-1], self.out_features)
         xq, xs = quantize_rows(x2)
-        acc = torch._int_mm(xq, self.weight_q.t())  # [tokens, out] int32, exact
+        acc = torch._int_mm(xq, self.weight_q.t())
         out = acc.to(torch.float32).mul_(xs).mul_(self.weight_scale)
         if self.bias is not None:
             out.add_(self.bias.float())
@@ -103,10 +110,10 @@ class QuantReport:
         return self.bytes_before - self.bytes_after
 
 
-def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = ("lm_head",)
-                   ) -> QuantReport:
+def quantize_model(model: nn.Module, method: str, ops: Any = None,
+                   skip: tuple[str, ...] = ("lm_head",)) -> QuantReport:
     """Replace the model's nn.Linear layers (except those named in `skip`) by `method`'s
-    layers, in place."""
+    layers, in place; `ops`: the compiled CPU ops they use (None: torch)."""
     if method not in METHODS:
         raise ValueError(f"quantization={method!r} is not one of {METHODS}")
     targets = [(parent, name, child) for parent in model.modules()
@@ -115,6 +122,7 @@ def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = ("lm_h
     before = after = 0
     for parent, name, child in targets:
         q = Int8Linear.from_linear(child)
+        q.ops = ops
         before += child.weight.numel() * child.weight.element_size()
         after += q.weight_q.numel() + q.weight_scale.numel() * 4
         setattr(parent, name, q)

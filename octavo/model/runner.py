@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -79,16 +80,18 @@ def load_model(
     model.rotary = RotaryEmbedding(config, max_positions).to(device)
     model = model.to(dtype=dtype)
     model.rotary.to(torch.float32)  # tables stay fp32; cast per step like transformers
-    model.quant_report = (quantize_model(model, quantization) if quantization is not None
-                          else None)
-    pack_linears(model, linear_backend)
     if resolve_kernels("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS") == "triton":
         from octavo.model.triton_kernels.fused_ops import TritonFusedOps
 
-        model.use_cpu_ops(TritonFusedOps())
+        ops: Any = TritonFusedOps()
     else:
-        model.use_cpu_ops(select_cpu_ops("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS",
-                                         isa))
+        ops = select_cpu_ops("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS", isa)
+    # int8 layers quantize and rescale through the compiled CPU ops where those run
+    quant_ops = ops if hasattr(ops, "quantize_rows_int8") else None
+    model.quant_report = (quantize_model(model, quantization, quant_ops)
+                          if quantization is not None else None)
+    pack_linears(model, linear_backend)
+    model.use_cpu_ops(ops)
     return model.eval()
 
 

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from octavo import LLM, SamplingParams
+from octavo.model.cpu_isa import supported_isas
+from octavo.model.cpu_ops import load_cpu_ops
 from octavo.model.quantization import Int8Linear, quantize_model, quantize_rows, weight_qmax
 from octavo.sampling_params import BeamSearchParams
 
@@ -32,13 +34,18 @@ def reference(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("tokens, k, n", [(1, 576, 1536), (3, 37, 21), (5, 64, 7),
                                           (33, 1536, 576), (2, 2, 3)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_equals_dequantized_matmul(tokens, k, n, bias):
+@pytest.mark.parametrize("ops", ["torch", *supported_isas()])
+def test_int8_linear_equals_dequantized_matmul(tokens, k, n, bias, ops):
+    """In torch and through each build of the compiled quantize / epilogue ops."""
     gen = torch.Generator().manual_seed(k * n + tokens)
     linear = nn.Linear(k, n, bias=bias)
     linear.weight.data = torch.randn(n, k, generator=gen)
     if bias:
         linear.bias.data = torch.randn(n, generator=gen)
     layer = Int8Linear.from_linear(linear)
+    if ops != "torch":
+        layer.ops = load_cpu_ops(ops)
+        assert layer.ops is not None and layer.ops.isa() == ops
     assert layer.weight_q.dtype == torch.int8
     assert layer.weight_q.abs().max() == weight_qmax()  # each row's largest weight hits it
     x = torch.randn(tokens, k, generator=gen) * 3

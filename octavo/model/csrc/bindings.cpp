@@ -17,4 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += x (in place), then RMSNorm(residual)");
   m.def("rope_", &rope_, "rotary embedding of the q and k heads of a fused qkv buffer, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from a fused [T, 2I] gate_up buffer");
+  m.def("quantize_rows_int8", &quantize_rows_int8,
+        "per-row symmetric int8 quantization: (q, scale)", py::arg("x"), py::arg("qmax"));
+  m.def("int8_epilogue", &int8_epilogue, "int32 GEMM sums * x_scale * w_scale (+ bias)",
+        py::arg("acc"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),
+        py::arg("dtype"));
 }

@@ -9,6 +9,7 @@
 #include <c10/util/Optional.h>
 
 #include <string>
+#include <vector>
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            at::Tensor block_tables, at::Tensor context_lens, double scale,
@@ -33,3 +34,10 @@ void rope_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_heads,
            int64_t num_kv_heads, int64_t head_dim);
 
 at::Tensor silu_and_mul(at::Tensor gate_up);
+
+// W8A8 linear layers: per-row symmetric int8 quantization -> (q int8 [rows, cols], scale
+// float32 [rows, 1]); and int32 sums -> dtype (sum * x_scale[row] * w_scale[col] + bias)
+std::vector<at::Tensor> quantize_rows_int8(at::Tensor x, double qmax);
+
+at::Tensor int8_epilogue(at::Tensor acc, at::Tensor x_scale, at::Tensor w_scale,
+                         c10::optional<at::Tensor> bias, at::ScalarType dtype);
