@@ -180,6 +180,13 @@ class EngineArgs:
             # a custom processor keeps per-sequence state a step of several positions breaks
             raise EngineArgsError("speculative_config", "cannot be combined with "
                                   "logits_processors")
+        if self.quantization is not None:
+            if not self.device.startswith("cpu"):
+                raise EngineArgsError("quantization", f"{self.quantization!r} runs on CPU only "
+                                      "(its GEMM is oneDNN's int8 matmul)")
+            if self.tensor_parallel_size > 1:
+                raise EngineArgsError("quantization", "cannot be combined with "
+                                      "tensor_parallel_size > 1 yet")
         if self.tensor_parallel_size > 1:
             if self.distributed_executor_backend == "uni":
                 raise EngineArgsError("distributed_executor_backend", "uni runs one rank; "

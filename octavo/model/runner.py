@@ -20,7 +20,6 @@ from safetensors import safe_open
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.attention import get_backend
-from octavo.model.attention.base import AttentionMetadata, PrefillChunk
 from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
 from octavo.model.cpu_ops import resolve_kernels, select_cpu_ops
 from octavo.model.cuda_graphs import DecodeGraphs
@@ -34,6 +33,7 @@ from octavo.model.linear import PackedLinear, pack_linears
 from octavo.model.llama import LlamaForCausalLM
 from octavo.model.loader import resolve_model_dir
 from octavo.model.logits_processor import LogitsProcessors
+from octavo.model.profile_run import activation_peak
 from octavo.model.quantization import quantize_model, weight_bytes
 from octavo.model.registry import model_class
 from octavo.model.sampler import Sampler, compute_logprobs
@@ -189,49 +189,9 @@ class ModelRunner:
                               mem_get_info, extra_block_bytes=extra,
                               activation_peak=self.profile_run)
 
-    @torch.inference_mode()
     def profile_run(self) -> int:
-        """vLLM's profile run: the largest step the scheduler can plan (max_num_batched_tokens
-        prompt tokens in sequences of up to max_model_len, logits for up to max_num_seqs
-        rows) through the model over a throw-away cache just big enough for it. Returns the
-        bytes its activations took at their peak on CUDA (0 elsewhere)."""
-        bs, cuda = self.block_size, self.device.type == "cuda"
-        tokens = max(1, self.args.max_num_batched_tokens)
-        seq_len = min(tokens, self.max_positions)
-        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
-        per_seq = -(-seq_len // bs)
-        cache = KVCache(self.local_config, per_seq * len(lens), bs, self.dtype, self.device)
-        metas = [self._profile_meta(lens, per_seq) for _ in self.config.kv_groups.windows]
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        rows = torch.arange(min(tokens, self.args.max_num_seqs), device=self.device)
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-        logits = self.model(ids, positions, cache, metas, self.backend, rows)
-        # the sampler's largest temporaries: fp32 probabilities, sorted for top-p/top-k
-        logits.softmax(-1).sort(dim=-1, descending=True)
-        peak = 0
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - base
-        del cache, logits
-        if cuda:
-            torch.cuda.empty_cache()
-        logger.info("profile run: %d tokens in %d sequences, activation peak %.1f MiB", tokens,
-                    len(lens), peak / 2**20)
-        return peak
-
-    def _profile_meta(self, lens: list[int], per_seq: int) -> AttentionMetadata:
-        bs, device = self.block_size, self.device
-        prefills, slots, row = [], [], 0
-        for i, n in enumerate(lens):
-            table = torch.arange(i * per_seq, (i + 1) * per_seq, device=device)
-            slots.append(i * per_seq * bs + torch.arange(n, device=device))
-            prefills.append(PrefillChunk(row, row + n, 0, table))
-            row += n
-        return AttentionMetadata(torch.cat(slots), 0, None, None, prefills)
+        """The largest step's activation peak on CUDA (profile_run.py; 0 elsewhere)."""
+        return activation_peak(self)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
