@@ -9,15 +9,14 @@ temporaries, run through the model over a throw-away cache just big enough for i
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from octavo.model.attention.base import AttentionMetadata, PrefillChunk
+from octavo.config import ModelConfig
+from octavo.engine_args import EngineArgs
+from octavo.model.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
 from octavo.model.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from octavo.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +34,20 @@ def _prefill_meta(lens: list[int], per_seq: int, block_size: int,
 
 
 @torch.inference_mode()
-def activation_peak(runner: ModelRunner) -> int:
+def activation_peak(model: nn.Module, backend: AttentionBackend, args: EngineArgs,
+                    config: ModelConfig, max_positions: int, dtype: torch.dtype,
+                    device: torch.device) -> int:
     """Bytes the largest step's activations took at their peak on CUDA (0 elsewhere: the run
-    happens all the same, which is how the CPU tests check it)."""
-    device, bs, args = runner.device, runner.block_size, runner.args
+    happens all the same, which is how the CPU tests check it). `config`: what this rank's
+    layers hold (its heads under tensor parallelism)."""
+    bs = args.block_size
     cuda = device.type == "cuda"
     tokens = max(1, args.max_num_batched_tokens)
-    seq_len = min(tokens, runner.max_positions)
+    seq_len = min(tokens, max_positions)
     lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
     per_seq = -(-seq_len // bs)
-    cache = KVCache(runner.local_config, per_seq * len(lens), bs, runner.dtype, device)
-    metas = [_prefill_meta(lens, per_seq, bs, device) for _ in runner.config.kv_groups.windows]
+    cache = KVCache(config, per_seq * len(lens), bs, dtype, device)
+    metas = [_prefill_meta(lens, per_seq, bs, device) for _ in config.kv_groups.windows]
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     rows = torch.arange(min(tokens, args.max_num_seqs), device=device)
@@ -54,7 +56,7 @@ def activation_peak(runner: ModelRunner) -> int:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    logits = runner.model(ids, positions, cache, metas, runner.backend, rows)
+    logits = model(ids, positions, cache, metas, backend, rows)
     # the sampler's largest temporaries: fp32 probabilities, sorted for top-p/top-k
     logits.softmax(-1).sort(dim=-1, descending=True)
     peak = 0

@@ -191,7 +191,8 @@ class ModelRunner:
 
     def profile_run(self) -> int:
         """The largest step's activation peak on CUDA (profile_run.py; 0 elsewhere)."""
-        return activation_peak(self)
+        return activation_peak(self.model, self.backend, self.args, self.local_config,
+                               self.max_positions, self.dtype, self.device)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
