@@ -29,7 +29,8 @@ def dense_reference(q, k, v, start_pos: int) -> torch.Tensor:
     return o.transpose(0, 1)
 
 
-@pytest.fixture(params=["torch", *(f"cpu-{isa}" for isa in ISAS)])
+# triton: octavo's Triton kernels, in Triton's interpreter on CPU (the GPU backend)
+@pytest.fixture(params=["torch", *(f"cpu-{isa}" for isa in ISAS), "triton"])
 def backend(request):
     name, _, isa = request.param.partition("-")
     b = get_backend(name, torch.device("cpu"), isa or None)

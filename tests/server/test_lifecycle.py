@@ -194,7 +194,9 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_llama_dir: Path) -> 
 
 
 def test_sigterm_aborts_what_outlives_the_shutdown_timeout(tiny_llama_dir: Path) -> None:
-    proc, url = start_serve_process(tiny_llama_dir, "--shutdown-timeout", "0.5")
+    # the timeout must be short against the request: on an idle machine the tiny model
+    # generates LONG (480 steps) in well under a second, and a 0.5 s timeout let it finish
+    proc, url = start_serve_process(tiny_llama_dir, "--shutdown-timeout", "0.05")
     try:
         lines: list[str] = []
         t = threading.Thread(target=stream_lines, args=(url, LONG, lines))
