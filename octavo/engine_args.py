@@ -147,8 +147,9 @@ class EngineArgs:
     fused_ops: str = _opt("auto", "auto, torch, cpu or triton (fused RMSNorm / RoPE / "
                           "SiLU-and-mul)", choices=("auto", "torch", "cpu", "triton"))
     quantization: str | None = _opt(
-        None, "quantize the weights at load: int8 (W8A8: int8 weights with per-channel "
-        "scales, activations quantized per token, int8 GEMMs through oneDNN)",
+        None, "quantize the weights at load: int8 (W8A8: every linear layer, the LM head "
+        "included, with int8 weights and per-channel scales, activations quantized per token, "
+        "int8 GEMMs through oneDNN)",
         choices=("int8",))
     enforce_eager: bool = _opt(
         False, "never replay decode steps from CUDA graphs (on CUDA with the Triton backend "

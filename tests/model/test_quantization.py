@@ -86,7 +86,7 @@ def test_int8_linear_on_the_avx2_path():
     assert "src_s8" in out.stdout  # oneDNN's int8 GEMM ran
 
 
-def test_quantize_model_keeps_the_lm_head_and_reports_bytes(tiny_llama_dir):
+def test_quantize_model_takes_every_linear_layer_and_reports_bytes(tiny_llama_dir):
     from octavo.config import ModelConfig
     from octavo.model.runner import load_model
 
@@ -94,9 +94,9 @@ def test_quantize_model_keeps_the_lm_head_and_reports_bytes(tiny_llama_dir):
     model = load_model(tiny_llama_dir, config, torch.float32, torch.device("cpu"), 128,
                        linear_backend="torch")
     report = quantize_model(model, "int8")
-    kinds = {type(m).__name__ for m in model.modules()}
-    assert "Int8Linear" in kinds and type(model.lm_head) is nn.Linear
-    assert report.layers == 4 * config.num_layers
+    assert type(model.lm_head) is Int8Linear  # as llama.cpp's Q8_0 files quantize output
+    assert type(model.embed_tokens) is nn.Embedding  # the lookup keeps its dtype
+    assert report.layers == 4 * config.num_layers + 1
     assert report.bytes_after < report.bytes_before / 3 and report.saved_bytes > 0
     with pytest.raises(ValueError, match="quantization='int3' is not one of"):
         quantize_model(model, "int3")
