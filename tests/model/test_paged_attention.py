@@ -29,6 +29,20 @@ def dense_reference(q, k, v, start_pos: int) -> torch.Tensor:
     return o.transpose(0, 1)
 
 
+def step_meta(slots: list[int], tables: list[list[int]], decodes: list[int],
+              decode_lens: list[int], prefills: list[PrefillChunk]) -> AttentionMetadata:
+    """A step's metadata from plain lists: `decodes` index `tables` (padded to one width)."""
+    width = max((len(tables[i]) for i in decodes), default=0)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decodes=len(decodes),
+        decode_block_tables=torch.tensor([tables[i] + [0] * (width - len(tables[i]))
+                                          for i in decodes]) if decodes else None,
+        decode_context_lens=torch.tensor(decode_lens) if decodes else None,
+        prefills=prefills,
+    )
+
+
 # triton: octavo's Triton kernels, in Triton's interpreter on CPU (the GPU backend)
 @pytest.fixture(params=["torch", *(f"cpu-{isa}" for isa in ISAS), "triton"])
 def backend(request):
@@ -72,15 +86,7 @@ def run_case(backend, seqs: list[tuple[int, int]], block_size: int, seed: int) -
         if new > 1:
             prefills.append(PrefillChunk(row, row + new, cached, torch.tensor(tables[i])))
         row += new
-    width = max((len(tables[i]) for i in decodes), default=0)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        num_decodes=len(decodes),
-        decode_block_tables=torch.tensor([tables[i] + [0] * (width - len(tables[i]))
-                                          for i in decodes]) if decodes else None,
-        decode_context_lens=torch.tensor([sum(seqs[i]) for i in decodes]) if decodes else None,
-        prefills=prefills,
-    )
+    meta = step_meta(slots, tables, decodes, [sum(seqs[i]) for i in decodes], prefills)
     out = backend.forward(
         torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, DIM**-0.5
     )

@@ -33,6 +33,7 @@ from octavo.model.attention.triton_backend import TritonAttentionBackend  # noqa
 from octavo.model.layers import RMSNorm, apply_rope  # noqa: E402
 from octavo.model.triton_kernels import cache_ops, decode  # noqa: E402
 from octavo.model.triton_kernels.fused_ops import TritonFusedOps  # noqa: E402
+from tests.model.test_paged_attention import step_meta  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("OCTAVO_TEST_DEVICE", "cpu"))
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -71,15 +72,7 @@ def make_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: 
         row += new
     decodes = [i for i, (_, n) in enumerate(seqs) if n == 1]
     assert decodes == list(range(len(decodes))), "decodes first"
-    width = max((len(tables[i]) for i in decodes), default=0)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        num_decodes=len(decodes),
-        decode_block_tables=torch.tensor([tables[i] + [0] * (width - len(tables[i]))
-                                          for i in decodes]) if decodes else None,
-        decode_context_lens=torch.tensor([sum(seqs[i]) for i in decodes]) if decodes else None,
-        prefills=prefills,
-    )
+    meta = step_meta(slots, tables, decodes, [sum(seqs[i]) for i in decodes], prefills)
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta
 
 
