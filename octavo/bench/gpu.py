@@ -14,13 +14,12 @@ It needs a CUDA device and says so otherwise.
 from __future__ import annotations
 
 import gc
-import time
 from typing import Any
 
 import torch
 from matplotlib.figure import Figure
 
-from octavo.bench.common import BenchResult, md_table, median
+from octavo.bench.common import BenchResult, md_table, median, timed_repeats
 from octavo.bench.engine_run import make_llm, run_workload
 from octavo.bench.options import BenchOptions
 from octavo.bench.workloads import mixed
@@ -49,12 +48,7 @@ def cuda_ms(fn, repeats: int = 50, warmup: int = 5) -> float:
 
 def wall_ms(fn, repeats: int = 3) -> float:
     """Median milliseconds of one call by the wall clock (the interpreter's CPU runs)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return median(times)
+    return 1000 * median(timed_repeats(fn, repeats)[0])
 
 
 def decode_point(batch: int, context: int, heads: int, kv_heads: int, dim: int,

@@ -86,19 +86,20 @@ class Int8Linear(nn.Module):
         return self.weight_q.float() * self.weight_scale.reshape(-1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.ops is not None:
+        if self.ops is not None:  # the compiled quantize pass and epilogue
             xq, xs = self.ops.quantize_rows_int8(x2.contiguous(), 127.0)
-            acc = torch._int_mm(xq, self.weight_q.t())  # [tokens, out] int32, exact
+        else:
+            xq, xs = quantize_rows(x2)
+        acc = torch._int_mm(xq, self.weight_q.t())  # [tokens, out] int32, exact
+        if self.ops is not None:
             out = self.ops.int8_epilogue(acc, xs, self.weight_scale, self.bias, x.dtype)
-            return out.reshape(*shape[:-1], self.out_features)
-        xq, xs = quantize_rows(x2)
-        acc = torch._int_mm(xq, self.weight_q.t())
-        out = acc.to(torch.float32).mul_(xs).mul_(self.weight_scale)
-        if self.bias is not None:
-            out.add_(self.bias.float())
-        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        else:
+            out = acc.to(torch.float32).mul_(xs).mul_(self.weight_scale)
+            if self.bias is not None:
+                out.add_(self.bias.float())
+            out = out.to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 @dataclass(frozen=True, slots=True)
