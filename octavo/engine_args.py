@@ -147,10 +147,15 @@ class EngineArgs:
     fused_ops: str = _opt("auto", "auto, torch, cpu or triton (fused RMSNorm / RoPE / "
                           "SiLU-and-mul)", choices=("auto", "torch", "cpu", "triton"))
     quantization: str | None = _opt(
-        None, "quantize the weights at load: int8 (W8A8: every linear layer, the LM head "
-        "included, with int8 weights and per-channel scales, activations quantized per token, "
-        "int8 GEMMs through oneDNN)",
-        choices=("int8",))
+        None, "quantized weights: int8 (W8A8 at load: every linear layer, the LM head "
+        "included, int8 weights with per-channel scales, activations quantized per token, "
+        "int8 GEMMs through oneDNN), int4 (weight-only at load: 4-bit groups of "
+        "--quantization-group-size with a float16 scale and min, widened in registers; the "
+        "LM head in 8-bit blocks), gguf (a GGUF model's Q4_0/Q4_1/Q8_0 weights kept in their "
+        "blocks and computed directly)",
+        choices=("int8", "int4", "gguf"))
+    quantization_group_size: int = _opt(
+        128, "int4: weights per scale and min (32, 64 or 128)", choices=(32, 64, 128))
     enforce_eager: bool = _opt(
         False, "never replay decode steps from CUDA graphs (on CUDA with the Triton backend "
         "they are captured per batch-size bucket at start-up)")
@@ -184,7 +189,7 @@ class EngineArgs:
         if self.quantization is not None:
             if not self.device.startswith("cpu"):
                 raise EngineArgsError("quantization", f"{self.quantization!r} runs on CPU only "
-                                      "(its GEMM is oneDNN's int8 matmul)")
+                                      "(its kernels are octavo's and oneDNN's CPU ones)")
             if self.tensor_parallel_size > 1:
                 raise EngineArgsError("quantization", "cannot be combined with "
                                       "tensor_parallel_size > 1 yet")

@@ -6,6 +6,8 @@
 - `rope_`: rotary embedding of q and k, in place in the fused qkv buffer.
 - `silu_and_mul`: SwiGLU's silu(gate) * up from the fused gate_up buffer.
 - `quantize_rows_int8`, `int8_epilogue`: the two ends of a W8A8 linear layer (quantization.py).
+- `block_linear`, `block_dequantize`: linear layers whose weights stay in 4-bit or 8-bit blocks
+  (GGUF Q4_0/Q4_1/Q8_0, int4; block_quant.py).
 
 They are built with torch's C++ extension tooling into ``$OCTAVO_CACHE/torch_extensions/<isa>``
 (a minute the first time, instant later), once per instruction set (cpu_isa.py): the AVX-512
@@ -33,7 +35,7 @@ from octavo.model.loader import cache_dir
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
-           "quant_ops.cpp")
+           "quant_ops.cpp", "block_linear.cpp")
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 

@@ -134,6 +134,33 @@ def ensure_default_model() -> Path:
     return out
 
 
+GGUF_SOURCE_FILE = "gguf_source.txt"  # in a converted directory: the GGUF it came from
+
+
+def _record_gguf_source(out_dir: Path, gguf_path: Path) -> None:
+    record = out_dir / GGUF_SOURCE_FILE
+    if not record.is_file():
+        tmp = out_dir / f".{GGUF_SOURCE_FILE}.{os.getpid()}"
+        tmp.write_text(str(gguf_path.resolve()))
+        tmp.rename(record)
+
+
+def gguf_source(model_dir: Path) -> Path:
+    """The GGUF file a converted model directory came from (quantization='gguf' reads its
+    blocks); a clear error for a model that was not given as a GGUF file."""
+    if model_dir.resolve() == default_model_dir().resolve():
+        return find_embedded_gguf()
+    record = model_dir / GGUF_SOURCE_FILE
+    if record.is_file():
+        path = Path(record.read_text().strip())
+        if path.is_file():
+            return path
+        raise ValueError(f"quantization='gguf': the GGUF file {str(path)!r} this model was "
+                         "converted from is gone")
+    raise ValueError(f"quantization='gguf' needs a model given as a GGUF file (a .gguf path, "
+                     f"or the default model); {str(model_dir)!r} is an HF directory")
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """Where a GGUF file's conversion lives: keyed by its resolved path, size and mtime."""
     path = gguf_path.resolve()
@@ -151,6 +178,7 @@ def ensure_gguf_model(gguf_path: str | os.PathLike[str]) -> Path:
     if not (out / "config.json").is_file():
         gguf_convert.check_supported(path)
         convert_gguf_to_hf_dir(path.resolve(), out)
+    _record_gguf_source(out, path)
     return out
 
 

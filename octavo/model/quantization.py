@@ -1,4 +1,6 @@
-"""Quantized weights (`quantization=`, vLLM's name), applied at load from an fp32/bf16 model.
+"""Quantized weights (`quantization=`, vLLM's name), applied at load from an fp32/bf16 model:
+`int8` here, `int4` in 4-bit blocks (block_quant.py); `gguf` keeps a GGUF file's own blocks
+(gguf_weights.py).
 
 `int8`: W8A8. Each linear layer's weight is quantized per output channel (symmetric, scale =
 max |w| / 127 over the row) once at load; at run time each token's activations are quantized
@@ -29,9 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from octavo.model.block_quant import BlockQuantLinear
+
 logger = logging.getLogger(__name__)
 
-METHODS = ("int8",)
+METHODS = ("int8", "int4", "gguf")
+INT4_GROUPS = (32, 64, 128)
 
 
 def quantize_rows(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,25 +120,44 @@ class QuantReport:
 
 
 def quantize_model(model: nn.Module, method: str, ops: Any = None,
-                   skip: tuple[str, ...] = ()) -> QuantReport:
+                   skip: tuple[str, ...] = (), group: int = 128) -> QuantReport:
     """Replace the model's nn.Linear layers (except those named in `skip`) by `method`'s
-    layers, in place; `ops`: the compiled CPU ops they use (None: torch)."""
-    if method not in METHODS:
-        raise ValueError(f"quantization={method!r} is not one of {METHODS}")
+    layers, in place; `ops`: the compiled CPU ops they use (None: torch).
+
+    int8: W8A8 layers (Int8Linear) everywhere. int4: the decoder layers' projections in 4-bit
+    blocks of `group` weights (block_quant.py, fp32 activations); the LM head, which int4
+    hurts most (llama.cpp's Q4 files keep their output tensor in 6 or 8 bits too), in 8-bit
+    blocks of 32. gguf is applied from the GGUF file itself (gguf_weights.py)."""
+    if method not in METHODS or method == "gguf":
+        raise ValueError(f"quantization={method!r} is not one of {METHODS[:2]}")
+    if method == "int4" and group not in INT4_GROUPS:
+        raise ValueError(f"int4 group size {group} is not one of {INT4_GROUPS}")
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if type(child) is nn.Linear and name not in skip and child.in_features > 1]
     # a weight another module also holds (a tied LM head's is the embedding's) stays in memory
     holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     before = after = 0
+    layers = 0
     for parent, name, child in targets:
-        q = Int8Linear.from_linear(child)
+        q: nn.Module
+        if method == "int8":
+            q = Int8Linear.from_linear(child)
+            size = q.weight_q.numel() + q.weight_scale.numel() * 4
+        else:
+            if child.in_features % 32:
+                continue  # not whole blocks: stays in the model dtype
+            q = (BlockQuantLinear.int8_blocks(child) if name == "lm_head"
+                 else BlockQuantLinear.int4(child, group if child.in_features % group == 0
+                                            else 32))
+            size = q.nbytes()
         q.ops = ops
         if holders[id(child.weight)] == 1:
             before += child.weight.numel() * child.weight.element_size()
-        after += q.weight_q.numel() + q.weight_scale.numel() * 4
+        after += size
+        layers += 1
         setattr(parent, name, q)
-    report = QuantReport(method, len(targets), before, after)
+    report = QuantReport(method, layers, before, after)
     logger.info("quantization %s: %d linear layers, weights %.1f MiB -> %.1f MiB (%.1f MiB "
                 "saved)", method, report.layers, before / 2**20, after / 2**20,
                 report.saved_bytes / 2**20)
@@ -141,8 +165,9 @@ def quantize_model(model: nn.Module, method: str, ops: Any = None,
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights in memory: parameters, int8 weights and scales, and the
-    oneDNN-packed copies that replace nn.Linear weights (PackedLinear.packed)."""
+    """Bytes of the model's weights in memory: parameters, int8 weights and scales, 4/8-bit
+    blocks, and the oneDNN-packed copies that replace nn.Linear weights
+    (PackedLinear.packed)."""
     seen: set[int] = set()
     total = 0
     for module in model.modules():
@@ -151,7 +176,8 @@ def weight_bytes(model: nn.Module) -> int:
         if isinstance(packed, torch.Tensor):
             tensors.append(packed)
         for t in tensors:
-            if id(t) not in seen and (t.is_floating_point() or t.dtype == torch.int8):
+            if id(t) not in seen and (t.is_floating_point()
+                                      or t.dtype in (torch.int8, torch.uint8)):
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
     return total

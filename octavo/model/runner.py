@@ -26,12 +26,13 @@ from octavo.model.cuda_graphs import DecodeGraphs
 from octavo.model.draft_acceptance import accept_drafts
 from octavo.model.draft_model import DraftModelDrafter
 from octavo.model.dtype_policy import DTYPES, resolve_isa_and_dtype
+from octavo.model.gguf_weights import apply_gguf_blocks
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
 from octavo.model.layers import RotaryEmbedding
 from octavo.model.linear import PackedLinear, pack_linears
 from octavo.model.llama import LlamaForCausalLM
-from octavo.model.loader import resolve_model_dir
+from octavo.model.loader import gguf_source, resolve_model_dir
 from octavo.model.logits_processor import LogitsProcessors
 from octavo.model.profile_run import activation_peak
 from octavo.model.quantization import quantize_model, weight_bytes
@@ -57,6 +58,7 @@ def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, linear_backend: str | None = None, fused_ops: str | None = None,
     isa: str | None = None, tp: TPGroup | None = None, quantization: str | None = None,
+    group_size: int = 128,
 ) -> LlamaForCausalLM:
     """The model (with `tp` of size > 1: this rank's slice of it, see tensor_parallel.py;
     with `quantization`, its linear layers quantized, see quantization.py)."""
@@ -86,10 +88,14 @@ def load_model(
         ops: Any = TritonFusedOps()
     else:
         ops = select_cpu_ops("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS", isa)
-    # int8 layers quantize and rescale through the compiled CPU ops where those run
+    # quantized layers run through the compiled CPU ops where those run
     quant_ops = ops if hasattr(ops, "quantize_rows_int8") else None
-    model.quant_report = (quantize_model(model, quantization, quant_ops)
-                          if quantization is not None else None)
+    if quantization == "gguf":
+        model.quant_report = apply_gguf_blocks(model, config, gguf_source(model_dir), quant_ops)
+    elif quantization is not None:
+        model.quant_report = quantize_model(model, quantization, quant_ops, group=group_size)
+    else:
+        model.quant_report = None
     pack_linears(model, linear_backend)
     model.use_cpu_ops(ops)
     return model.eval()
@@ -129,7 +135,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by init_kv_cache where they apply
         self.model = load_model(model_dir, config, self.dtype, self.device, max_positions,
                                 args.linear_backend, args.fused_ops, isa, tp,
-                                args.quantization)
+                                args.quantization, args.quantization_group_size)
         self.backend = get_backend(args.attention_backend, self.device, isa)
         self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()

@@ -22,4 +22,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_epilogue", &int8_epilogue, "int32 GEMM sums * x_scale * w_scale (+ bias)",
         py::arg("acc"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),
         py::arg("dtype"));
+  m.def("block_linear", &block_linear,
+        "x @ W^T (+ bias) with W in 4-bit or 8-bit blocks, widened in registers",
+        py::arg("x"), py::arg("kind"), py::arg("q"), py::arg("scale"), py::arg("mins"),
+        py::arg("group"), py::arg("bias"), py::arg("int8_activations") = false);
+  m.def("block_dequantize", &block_dequantize, "rows of a block-quantized weight as float32",
+        py::arg("kind"), py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"),
+        py::arg("row_begin"), py::arg("row_end"), py::arg("out") = py::none());
 }

@@ -41,3 +41,16 @@ std::vector<at::Tensor> quantize_rows_int8(at::Tensor x, double qmax);
 
 at::Tensor int8_epilogue(at::Tensor acc, at::Tensor x_scale, at::Tensor w_scale,
                          c10::optional<at::Tensor> bias, at::ScalarType dtype);
+
+// linear layers with block-quantized weights (block_linear.cpp): kind 0 4-bit (q uint8
+// [N, K/2], scale and mins float16 [N, K/group]), kind 1 8-bit (q int8 [N, K], scale);
+// x [M, K] float32 or bfloat16 -> [M, N] in x's dtype; int8_activations: x quantized per
+// block of 32 and integer dot products (GGUF's arithmetic), else fp32 x fp32
+at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor scale,
+                        c10::optional<at::Tensor> mins, int64_t group,
+                        c10::optional<at::Tensor> bias, bool int8_activations);
+
+// rows [row_begin, row_end) of such a weight widened to float32 (into `out` when given)
+at::Tensor block_dequantize(int64_t kind, at::Tensor q, at::Tensor scale,
+                            c10::optional<at::Tensor> mins, int64_t group, int64_t row_begin,
+                            int64_t row_end, c10::optional<at::Tensor> out);
