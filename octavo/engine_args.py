@@ -155,7 +155,8 @@ class EngineArgs:
         "blocks and computed directly)",
         choices=("int8", "int4", "gguf"))
     quantization_group_size: int = _opt(
-        128, "int4: weights per scale and min (32, 64 or 128)", choices=(32, 64, 128))
+        32, "int4: weights per scale and min (32, as llama.cpp's Q4 formats; 64 or 128)",
+        choices=(32, 64, 128))
     enforce_eager: bool = _opt(
         False, "never replay decode steps from CUDA graphs (on CUDA with the Triton backend "
         "they are captured per batch-size bucket at start-up)")

@@ -15,7 +15,9 @@ The compiled kernel (csrc/block_linear.cpp) widens each block to fp32 in registe
 multiplies it with the fp32 activations (fp32 accumulation): decode never holds a dequantized
 weight. Batches larger than `SMALL_BATCH` rows (prefill) widen a few hundred weight rows at a
 time into one reused fp32 buffer and multiply them through the GEMM library, where the
-arithmetic, not the weight bytes, is what costs.
+arithmetic, not the weight bytes, is what costs; for the GGUF formats its activations are
+quantized as the kernel's are, so a token's logits do not depend on the size of its batch
+beyond the order of fp32 sums.
 """
 
 from __future__ import annotations
@@ -92,9 +94,12 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     with dx = max |x| / 127, returned as xq * dx in fp32."""
     m, k = x.shape
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
-    dx = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    xq = torch.round(blocks / torch.where(dx > 0, dx, torch.ones_like(dx)))
-    return (xq * dx).reshape(m, k)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    dx = amax / 127
+    # the kernel's rounding: x * (127 / amax), the quotient a true division (torch's scalar
+    # 127 / t is a reciprocal times 127, which differs in the last bit)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * dx).reshape(m, k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +158,7 @@ class BlockQuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.ops is None:  # no compiled ops: the same arithmetic in torch
             xin = x2.float()
-            if self.fmt.int8_activations and x2.shape[0] <= SMALL_BATCH:
+            if self.fmt.int8_activations:
                 xin = quantize_activations(xin)
             out = F.linear(xin, self.dequantized_weight(), self.bias).to(x.dtype)
         elif x2.shape[0] <= SMALL_BATCH:
@@ -168,6 +173,8 @@ class BlockQuantLinear(nn.Module):
         """Large batches: a few hundred weight rows at a time widened into one reused buffer,
         then multiplied through torch's GEMM."""
         xf = x2.float().contiguous()
+        if self.fmt.int8_activations:  # the same activations as the small-batch kernel
+            xf = quantize_activations(xf)
         rows = max(16, TILE_ELEMENTS // self.in_features)
         buf = _tile_buffer(min(rows, self.out_features) * self.in_features)
         if rows >= self.out_features:  # the whole layer in one tile

@@ -8,6 +8,7 @@
 - `quantize_rows_int8`, `int8_epilogue`: the two ends of a W8A8 linear layer (quantization.py).
 - `block_linear`, `block_dequantize`: linear layers whose weights stay in 4-bit or 8-bit blocks
   (GGUF Q4_0/Q4_1/Q8_0, int4; block_quant.py).
+- `DecodeStack`: every decoder layer of an all-decode step in one C++ loop (decode_stack.py).
 
 They are built with torch's C++ extension tooling into ``$OCTAVO_CACHE/torch_extensions/<isa>``
 (a minute the first time, instant later), once per instruction set (cpu_isa.py): the AVX-512
@@ -35,7 +36,7 @@ from octavo.model.loader import cache_dir
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
-           "quant_ops.cpp", "block_linear.cpp")
+           "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp")
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 

@@ -44,6 +44,8 @@ def _planes(type_name: str, raw: np.ndarray, rows: int, cols: int):
     scale = blocks[..., 0:2].copy().view(np.float16).reshape(rows, cols // 32)
     if type_name == "Q4_0":  # w = (q - 8) d = q d + (-8 d); -8 d is exact in float16
         q = blocks[..., 2:18].reshape(rows, cols // 2)
+        if np.abs(scale.astype(np.float32)).max(initial=0) * 8 > np.finfo(np.float16).max:
+            return None  # -8 d overflows float16 (weights past 65504): dequantized instead
         mins = (scale.astype(np.float32) * -8).astype(np.float16)
     elif type_name == "Q4_1":
         mins = blocks[..., 2:4].copy().view(np.float16).reshape(rows, cols // 32)
@@ -84,7 +86,12 @@ class GGUFBlocks:
         if t is None or t.tensor_type.name not in FORMATS:
             return None
         cols, rows = int(t.shape[0]), int(t.shape[1])
-        fmt, q, scale, mins = _planes(t.tensor_type.name, t.data, rows, cols)
+        planes = _planes(t.tensor_type.name, t.data, rows, cols)
+        if planes is None:
+            logger.warning("GGUF tensor %s: Q4_0 scales too large for float16 mins; it is "
+                           "dequantized instead", name)
+            return None
+        fmt, q, scale, mins = planes
         if rows_perm is not None:
             q, scale = q[rows_perm].contiguous(), scale[rows_perm].contiguous()
             mins = None if mins is None else mins[rows_perm].contiguous()

@@ -31,6 +31,8 @@ class LlamaForCausalLM(nn.Module):
     shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     # what quantization=... did at load (quantization.QuantReport), None: full precision
     quant_report: Any = None
+    # the C++ loop over the layers for all-decode steps (decode_stack.py), None: Python only
+    decode_stack: Any = None
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -58,6 +60,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype, fp32_rows=self.norm.ops is not None)
         residual = None
+        meta = metas[0]
+        if (self.decode_stack is not None and num_layers is None and not meta.prefills
+                and meta.num_decodes == x.shape[0] and meta.decode_first_pos is None):
+            x, residual = self.decode_stack.forward(
+                x, cos, sin, kv_cache.device_cache, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_context_lens)
+            num_layers = 0  # all done
         group = kv_cache.groups.layer_group
         for i, layer in enumerate(self.layers[:num_layers]):
             k_cache, v_cache = kv_cache.layer(i)

@@ -120,7 +120,7 @@ class QuantReport:
 
 
 def quantize_model(model: nn.Module, method: str, ops: Any = None,
-                   skip: tuple[str, ...] = (), group: int = 128) -> QuantReport:
+                   skip: tuple[str, ...] = (), group: int = 32) -> QuantReport:
     """Replace the model's nn.Linear layers (except those named in `skip`) by `method`'s
     layers, in place; `ops`: the compiled CPU ops they use (None: torch).
 

@@ -23,6 +23,7 @@ from octavo.model.attention import get_backend
 from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
 from octavo.model.cpu_ops import resolve_kernels, select_cpu_ops
 from octavo.model.cuda_graphs import DecodeGraphs
+from octavo.model.decode_stack import build_decode_stack
 from octavo.model.draft_acceptance import accept_drafts
 from octavo.model.draft_model import DraftModelDrafter
 from octavo.model.dtype_policy import DTYPES, resolve_isa_and_dtype
@@ -58,7 +59,7 @@ def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, linear_backend: str | None = None, fused_ops: str | None = None,
     isa: str | None = None, tp: TPGroup | None = None, quantization: str | None = None,
-    group_size: int = 128,
+    group_size: int = 32,
 ) -> LlamaForCausalLM:
     """The model (with `tp` of size > 1: this rank's slice of it, see tensor_parallel.py;
     with `quantization`, its linear layers quantized, see quantization.py)."""
@@ -209,6 +210,9 @@ class ModelRunner:
             self.kv_cache.block_copier = copy_blocks
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+        if self.device.type == "cpu" and (self.tp is None or self.tp.size == 1):
+            self.model.decode_stack = build_decode_stack(self.model, self.backend,
+                                                         self.kv_cache.groups)
         if self._wants_cuda_graphs():
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend, self.device,
                                        self.args.max_num_seqs, self.max_positions,

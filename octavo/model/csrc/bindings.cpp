@@ -2,6 +2,8 @@
 
 #include "ops.h"
 
+void bind_decode_stack(py::module& m);  // decode_stack.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged attention, single-token decode (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
@@ -29,4 +31,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_dequantize", &block_dequantize, "rows of a block-quantized weight as float32",
         py::arg("kind"), py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"),
         py::arg("row_begin"), py::arg("row_end"), py::arg("out") = py::none());
+  bind_decode_stack(m);
 }
