@@ -22,6 +22,7 @@ from torch import nn
 from octavo.model.block_quant import BlockQuantLinear
 from octavo.model.layers import MLP, Attention, DecoderLayer, RMSNorm
 from octavo.model.linear import PackedLinear
+from octavo.model.llama import LlamaForCausalLM
 from octavo.model.quantization import Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ def _why_not(model: nn.Module, backend: Any) -> str | None:
         return "not the compiled CPU attention backend"
     if getattr(model, "shard", None) is not None:
         return "tensor parallelism"
+    if type(model).forward is not LlamaForCausalLM.forward:
+        return f"{type(model).__name__} has a forward of its own"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer) is not DecoderLayer or type(attn) is not Attention

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.attention import get_backend
+from octavo.model.block_quant import BlockQuantLinear
 from octavo.model.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
 from octavo.model.cpu_ops import resolve_kernels, select_cpu_ops
 from octavo.model.cuda_graphs import DecodeGraphs
@@ -36,7 +37,7 @@ from octavo.model.llama import LlamaForCausalLM
 from octavo.model.loader import gguf_source, resolve_model_dir
 from octavo.model.logits_processor import LogitsProcessors
 from octavo.model.profile_run import activation_peak
-from octavo.model.quantization import quantize_model, weight_bytes
+from octavo.model.quantization import Int8Linear, quantize_model, weight_bytes
 from octavo.model.registry import model_class
 from octavo.model.sampler import Sampler, compute_logprobs
 from octavo.model.sampling_metadata import SamplingMetadata
@@ -167,7 +168,10 @@ class ModelRunner:
         the ISA of octavo's compiled ops (cpu_isa.py; "none" where none run), the dtype asked
         for and the one computed in."""
         modules = list(self.model.modules())
-        linear = "onednn" if any(isinstance(m, PackedLinear) for m in modules) else "torch"
+        kinds = [name for name, cls in (("onednn", PackedLinear), ("int8", Int8Linear),
+                                        ("blocks", BlockQuantLinear))
+                 if any(isinstance(m, cls) for m in modules)]
+        linear = "+".join(kinds) or "torch"
         ops = next((m.ops for m in modules if getattr(m, "ops", None) is not None), None)
         fused = "torch" if ops is None else "triton" if ops.isa() == "triton" else "cpu"
         compiled = fused == "cpu" or hasattr(self.backend, "kernel")
@@ -175,6 +179,7 @@ class ModelRunner:
                 "dtype_requested": self.args.dtype,
                 "isa": self.isa if compiled else "none",
                 "attention": type(self.backend).__name__, "linear": linear, "fused_ops": fused,
+                "decode_loop": "c++" if self.model.decode_stack is not None else "python",
                 "cuda_graphs": "off" if self.graphs is None else
                 f"decode batches <= {self.graphs.buckets[-1]}",
                 **self.weights_report()}
