@@ -138,6 +138,26 @@ struct Row {
   }
 };
 
+// Walks weight rows n0..n0+NR-1 block by block, widening each block (w: NV vectors) for
+// f(r, b, w).
+template <int KIND, int NR, typename F>
+inline void for_each_block(const Weights& W, int64_t n0, F&& f) {
+  Row<KIND> rows[NR];
+  for (int r = 0; r < NR; ++r) rows[r] = Row<KIND>(W, n0 + r);
+  const int64_t per_group = W.group / 32;
+  for (int64_t g = 0; g < W.groups(); ++g) {
+    for (int r = 0; r < NR; ++r) rows[r].set_group(g);
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      for (int r = 0; r < NR; ++r) {
+        Vec w[NV];
+        prefetch_ahead<KIND>(W, n0 + r, b);
+        rows[r].block(b, w);
+        f(r, b, w);
+      }
+    }
+  }
+}
+
 // One activation row against NR weight rows n0..n0+NR-1: every (row, vector) pair has its own
 // accumulator, so no FMA waits on the one before it.
 template <int KIND, int NR>
@@ -145,22 +165,9 @@ void dot_m1(const Weights& W, int64_t n0, const float* x, float* out, const floa
   Vec acc[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = Vec::zero();
-  Row<KIND> rows[NR];
-  for (int r = 0; r < NR; ++r) rows[r] = Row<KIND>(W, n0 + r);
-  const int64_t per_group = W.group / 32;
-  for (int64_t g = 0; g < W.groups(); ++g) {
-    for (int r = 0; r < NR; ++r) rows[r].set_group(g);
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      Vec xv[NV];
-      for (int j = 0; j < NV; ++j) xv[j] = Vec::load(x + b * 32 + j * L);
-      for (int r = 0; r < NR; ++r) {
-        Vec w[NV];
-        prefetch_ahead<KIND>(W, n0 + r, b);
-        rows[r].block(b, w);
-        for (int j = 0; j < NV; ++j) acc[r][j] = fma(w[j], xv[j], acc[r][j]);
-      }
-    }
-  }
+  for_each_block<KIND, NR>(W, n0, [&](int r, int64_t b, const Vec* w) {
+    for (int j = 0; j < NV; ++j) acc[r][j] = fma(w[j], Vec::load(x + b * 32 + j * L), acc[r][j]);
+  });
   for (int r = 0; r < NR; ++r) {
     Vec s = acc[r][0];
     for (int j = 1; j < NV; ++j) s = s + acc[r][j];
@@ -175,22 +182,11 @@ void dot_mt(const Weights& W, int64_t n0, const float* x, float* out, int64_t ld
   Vec acc[NR][MT];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = Vec::zero();
-  Row<KIND> rows[NR];
-  for (int r = 0; r < NR; ++r) rows[r] = Row<KIND>(W, n0 + r);
-  const int64_t per_group = W.group / 32;
-  for (int64_t g = 0; g < W.groups(); ++g) {
-    for (int r = 0; r < NR; ++r) rows[r].set_group(g);
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      for (int r = 0; r < NR; ++r) {
-        Vec w[NV];
-        prefetch_ahead<KIND>(W, n0 + r, b);
-        rows[r].block(b, w);
-        for (int m = 0; m < MT; ++m)
-          for (int j = 0; j < NV; ++j)
-            acc[r][m] = fma(w[j], Vec::load(x + m * W.K + b * 32 + j * L), acc[r][m]);
-      }
-    }
-  }
+  for_each_block<KIND, NR>(W, n0, [&](int r, int64_t b, const Vec* w) {
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NV; ++j)
+        acc[r][m] = fma(w[j], Vec::load(x + m * W.K + b * 32 + j * L), acc[r][m]);
+  });
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MT; ++m)
       out[m * ldo + r] = hsum(acc[r][m]) + (bias != nullptr ? bias[n0 + r] : 0.f);
@@ -225,16 +221,9 @@ void run_rows(const Weights& W, const float* x, int64_t mt, float* out, int64_t 
 
 template <int KIND>
 void widen_row(const Weights& W, int64_t n, float* out) {
-  Row<KIND> row(W, n);
-  const int64_t per_group = W.group / 32;
-  for (int64_t g = 0; g < W.groups(); ++g) {
-    row.set_group(g);
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      Vec w[NV];
-      row.block(b, w);
-      for (int j = 0; j < NV; ++j) w[j].store(out + b * 32 + j * L);
-    }
-  }
+  for_each_block<KIND, 1>(W, n, [&](int, int64_t b, const Vec* w) {
+    for (int j = 0; j < NV; ++j) w[j].store(out + b * 32 + j * L);
+  });
 }
 
 // ---- int8 activations (GGUF's arithmetic): each activation row is quantized per block of
