@@ -102,11 +102,13 @@ def test_quantize_model_takes_every_linear_layer_and_reports_bytes(tiny_llama_di
         quantize_model(model, "int3")
 
 
-@pytest.fixture(scope="module")
-def int8_reference(tiny_llama_dir):
-    """Greedy tokens of the int8 tiny model, batched, block size 16, nothing else on."""
-    llm = LLM(str(tiny_llama_dir), quantization="int8", block_size=16, num_kv_blocks=128)
-    return llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quant_reference(request, tiny_llama_dir):
+    """(scheme, greedy tokens of the quantized tiny model, batched, block size 16, nothing
+    else on)."""
+    llm = LLM(str(tiny_llama_dir), quantization=request.param, block_size=16,
+              num_kv_blocks=128)
+    return request.param, llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 100)] + [
@@ -120,10 +122,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     dict(block_size=16, num_kv_blocks=10, max_num_batched_tokens=32),  # preemption
     dict(block_size=16, attention_backend="torch", fused_ops="torch", linear_backend="torch"),
 ], ids=["bs1", "prefix-chunked", "preempt", "torch-kernels"])
-def test_engine_on_an_int8_model_is_configuration_invariant(tiny_llama_dir, int8_reference,
-                                                            options):
-    want = [o.outputs[0].token_ids for o in int8_reference]
-    llm = LLM(str(tiny_llama_dir), quantization="int8", **{"num_kv_blocks": 128, **options})
+def test_engine_on_a_quantized_model_is_configuration_invariant(tiny_llama_dir, quant_reference,
+                                                                options):
+    """int8 and int4 (the 4-bit block kernels; gguf's engine runs are in
+    test_gguf_weights.py): block size, prefix caching with chunked prefill, preemption and
+    the torch fallbacks give the same greedy tokens."""
+    scheme, reference = quant_reference
+    want = [o.outputs[0].token_ids for o in reference]
+    llm = LLM(str(tiny_llama_dir), quantization=scheme, **{"num_kv_blocks": 128, **options})
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == want
     alone = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -136,8 +142,9 @@ def test_engine_on_an_int8_model_is_configuration_invariant(tiny_llama_dir, int8
         assert stats["prefix_cache_hit_tokens"] > 0
 
 
-def test_sampling_features_on_an_int8_model(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), quantization="int8", block_size=16, num_kv_blocks=128)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_sampling_features_on_a_quantized_model(tiny_llama_dir, scheme):
+    llm = LLM(str(tiny_llama_dir), quantization=scheme, block_size=16, num_kv_blocks=128)
     params = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=10, logprobs=2,
                             ignore_eos=True)
     a = llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
@@ -146,5 +153,5 @@ def test_sampling_features_on_an_int8_model(tiny_llama_dir):
     assert all(len(o.logprobs) == 10 for o in a.outputs)
     beams = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=6))
     assert len(beams[0].sequences) == 2
-    assert llm.engine.executor.runner.kernel_path()["quantization"] == "int8"
+    assert llm.engine.executor.runner.kernel_path()["quantization"] == scheme
     assert llm.stats()["kv_blocks_used"] == 0
