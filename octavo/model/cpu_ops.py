@@ -5,7 +5,8 @@
 - `rms_norm`, `add_rms_norm_`: RMSNorm, and the residual add fused with the next RMSNorm.
 - `rope_`: rotary embedding of q and k, in place in the fused qkv buffer.
 - `silu_and_mul`: SwiGLU's silu(gate) * up from the fused gate_up buffer.
-- `quantize_rows_int8`, `int8_epilogue`: the two ends of a W8A8 linear layer (quantization.py).
+- `quantize_rows_int8`, `int8_epilogue`: the two ends of a W8A8 linear layer (quantization.py),
+  and `int8_gemv`, its exact int32 products for decode-sized batches.
 - `block_linear`, `block_dequantize`: linear layers whose weights stay in 4-bit or 8-bit blocks
   (GGUF Q4_0/Q4_1/Q8_0, int4; block_quant.py).
 - `DecodeStack`: every decoder layer of an all-decode step in one C++ loop (decode_stack.py).
@@ -36,7 +37,7 @@ from octavo.model.loader import cache_dir
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
-           "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp")
+           "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp", "int8_gemv.cpp")
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 

@@ -31,5 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_dequantize", &block_dequantize, "rows of a block-quantized weight as float32",
         py::arg("kind"), py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"),
         py::arg("row_begin"), py::arg("row_end"), py::arg("out") = py::none());
+  m.def("int8_gemv", &int8_gemv, "exact int32 xq . wq^T for a few rows (W8A8 decode)",
+        py::arg("xq"), py::arg("wq"));
   bind_decode_stack(m);
 }

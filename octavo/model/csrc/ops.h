@@ -54,3 +54,7 @@ at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor sca
 at::Tensor block_dequantize(int64_t kind, at::Tensor q, at::Tensor scale,
                             c10::optional<at::Tensor> mins, int64_t group, int64_t row_begin,
                             int64_t row_end, c10::optional<at::Tensor> out);
+
+// int8 x int8 -> exact int32 [M, N] = xq [M, K] . wq [N, K]^T for decode-sized M (int8_gemv.cpp):
+// the same sums as torch._int_mm
+at::Tensor int8_gemv(at::Tensor xq, at::Tensor wq);
