@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "ops.h"
 #include "vec_traits.h"
@@ -437,6 +438,24 @@ void irun_rows(const Weights& W, const QuantX& X, int64_t M, float* out, int64_t
     for (int64_t m = 0; m < M; ++m) idot<KIND, 1, 1>(W, n, X, m, out + m * N + n, N, bias);
 }
 
+// f(kind) with the weights' kind as a compile-time constant (std::integral_constant)
+template <typename F>
+void with_kind(const Weights& W, F&& f) {
+  if (W.kind == 0)
+    f(std::integral_constant<int, 0>{});
+  else
+    f(std::integral_constant<int, 1>{});
+}
+
+// the N weight rows split between threads in runs of whole kernel tiles (8 rows):
+// f(kind, n_begin, n_end)
+template <typename F>
+void split_rows(const Weights& W, int64_t N, F&& f) {
+  at::parallel_for(0, (N + 7) / 8, 4, [&](int64_t begin, int64_t end) {
+    with_kind(W, [&](auto kind) { f(kind, begin * 8, std::min(end * 8, N)); });
+  });
+}
+
 Weights check_weights(int64_t kind, const at::Tensor& q, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& mins, int64_t group) {
   TORCH_CHECK(kind == 0 || kind == 1, "kind must be 0 (4-bit) or 1 (8-bit)");
@@ -489,21 +508,14 @@ at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor sca
     for (int64_t m = 0; m < M; ++m)
       quantize_x(xp + m * W.K, W.K, xq.data_ptr<int8_t>() + m * W.K,
                  xd.data_ptr<float>() + m * nb_pad, xd.data_ptr<float>() + (M + m) * nb_pad);
-    at::parallel_for(0, (N + 7) / 8, 4, [&](int64_t begin, int64_t end) {
-      if (W.kind == 0)
-        irun_rows<0>(W, X, M, op, N, begin * 8, std::min(end * 8, N), bp);
-      else
-        irun_rows<1>(W, X, M, op, N, begin * 8, std::min(end * 8, N), bp);
+    split_rows(W, N, [&](auto kind, int64_t n_begin, int64_t n_end) {
+      irun_rows<decltype(kind)::value>(W, X, M, op, N, n_begin, n_end, bp);
     });
-    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  } else {
+    split_rows(W, N, [&](auto kind, int64_t n_begin, int64_t n_end) {
+      run_rows<decltype(kind)::value>(W, xp, M, op, N, n_begin, n_end, bp);
+    });
   }
-  // split the weight rows between threads in runs of whole kernel tiles
-  at::parallel_for(0, (N + 7) / 8, 4, [&](int64_t begin, int64_t end) {
-    if (W.kind == 0)
-      run_rows<0>(W, xp, M, op, N, begin * 8, std::min(end * 8, N), bp);
-    else
-      run_rows<1>(W, xp, M, op, N, begin * 8, std::min(end * 8, N), bp);
-  });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -524,12 +536,10 @@ at::Tensor block_dequantize(int64_t kind, at::Tensor q, at::Tensor scale,
   }
   float* op = o.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      if (W.kind == 0)
-        widen_row<0>(W, row_begin + r, op + r * W.K);
-      else
-        widen_row<1>(W, row_begin + r, op + r * W.K);
-    }
+    with_kind(W, [&](auto kind) {
+      for (int64_t r = begin; r < end; ++r)
+        widen_row<decltype(kind)::value>(W, row_begin + r, op + r * W.K);
+    });
   });
   return o;
 }
