@@ -37,9 +37,6 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("int8", "int4", "gguf")
 INT4_GROUPS = (32, 64, 128)
-# up to this many rows the int32 products come from octavo's int8_gemv (decode: a stream over
-# the weights), above from oneDNN's int8 GEMM; both are exact, so the choice changes no result
-GEMV_ROWS = 16
 
 
 def quantize_rows(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,8 +96,8 @@ class Int8Linear(nn.Module):
             xq, xs = self.ops.quantize_rows_int8(x2.contiguous(), 127.0)
         else:
             xq, xs = quantize_rows(x2)
-        if self.ops is not None and x2.shape[0] <= GEMV_ROWS:  # the same exact sums
-            acc = self.ops.int8_gemv(xq, self.weight_q)
+        if self.ops is not None:  # octavo's GEMV for decode-sized batches, else oneDNN's
+            acc = self.ops.int8_mm(xq, self.weight_q)
         else:
             acc = torch._int_mm(xq, self.weight_q.t())  # [tokens, out] int32, exact
         if self.ops is not None:

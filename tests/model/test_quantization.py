@@ -18,13 +18,7 @@ from torch import nn
 from octavo import LLM, SamplingParams
 from octavo.model.cpu_isa import supported_isas
 from octavo.model.cpu_ops import load_cpu_ops
-from octavo.model.quantization import (
-    GEMV_ROWS,
-    Int8Linear,
-    quantize_model,
-    quantize_rows,
-    weight_qmax,
-)
+from octavo.model.quantization import Int8Linear, quantize_model, quantize_rows, weight_qmax
 from octavo.sampling_params import BeamSearchParams
 
 
@@ -40,17 +34,22 @@ def reference(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("isa", supported_isas())
 def test_int8_gemv_is_exactly_int_mm(isa):
     """The decode-sized int8 products (int8_gemv) are the exact int32 sums torch._int_mm
-    gives: every row count up to GEMV_ROWS (the kernel tiles rows by 4/2/1), K with and without
-    a tail past the vector width, full-range weights (-128 included) and activations."""
+    gives: every row count up to INT8_GEMV_ROWS (the kernel tiles rows by 4/2/1), K with and
+    without a tail past the vector width, full-range weights (-128 included) and activations;
+    int8_mm, which picks between the two by rows, too."""
     ops = load_cpu_ops(isa)
     assert ops is not None
     gen = torch.Generator().manual_seed(11)
-    for m in range(1, GEMV_ROWS + 1):
+    for m in range(1, ops.INT8_GEMV_ROWS + 1):
         for n, k in ((1, 2), (7, 33), (37, 64), (100, 96), (9, 200)):
             x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
             w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
             want = x.int() @ w.int().t()
             assert torch.equal(ops.int8_gemv(x, w), want), (m, n, k)
+            assert torch.equal(ops.int8_mm(x, w), want), (m, n, k)
+    x = torch.randint(-127, 128, (ops.INT8_GEMV_ROWS + 1, 64), dtype=torch.int8, generator=gen)
+    w = torch.randint(-127, 128, (5, 64), dtype=torch.int8, generator=gen)
+    assert torch.equal(ops.int8_mm(x, w), x.int() @ w.int().t())  # oneDNN's side
     extreme = torch.full((2, 64), -127, dtype=torch.int8)
     w = torch.full((3, 64), -128, dtype=torch.int8)
     assert torch.equal(ops.int8_gemv(extreme, w), extreme.int() @ w.int().t())

@@ -33,5 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("row_begin"), py::arg("row_end"), py::arg("out") = py::none());
   m.def("int8_gemv", &int8_gemv, "exact int32 xq . wq^T for a few rows (W8A8 decode)",
         py::arg("xq"), py::arg("wq"));
+  m.def("int8_mm", &int8_mm, "exact int32 xq . wq^T: int8_gemv for a few rows, else oneDNN",
+        py::arg("xq"), py::arg("wq"));
+  m.attr("INT8_GEMV_ROWS") = kInt8GemvRows;
   bind_decode_stack(m);
 }

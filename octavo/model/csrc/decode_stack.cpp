@@ -42,8 +42,7 @@ struct Linear {
       }
       case kInt8: {
         auto qs = quantize_rows_int8(x.contiguous(), 127.0);
-        // exact int32 sums either way (quantization.py's GEMV_ROWS)
-        auto acc = x.size(0) <= 16 ? int8_gemv(qs[0], t[0]) : at::_int_mm(qs[0], t[0].t());
+        auto acc = int8_mm(qs[0], t[0]);
         return int8_epilogue(acc, qs[1], t[1], bias, x.scalar_type());
       }
       default:

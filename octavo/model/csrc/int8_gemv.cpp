@@ -7,6 +7,7 @@
 // |w| * sign(x, w) on vpmaddubsw: |w| <= 128 as u8 times x in [-127, 127] gives int16 pair sums
 // of at most 2 * 128 * 127 = 32512, which never saturate (full-range weights are fine here
 // whatever the CPU); vpmaddwd then widens to int32.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -127,4 +128,8 @@ at::Tensor int8_gemv(at::Tensor xq, at::Tensor wq) {
     for (; n < n_end; ++n) rows<1>(xp, wp, M, K, n, op, N);
   });
   return out;
+}
+
+at::Tensor int8_mm(at::Tensor xq, at::Tensor wq) {
+  return xq.size(0) <= kInt8GemvRows ? int8_gemv(xq, wq) : at::_int_mm(xq, wq.t());
 }

@@ -58,3 +58,8 @@ at::Tensor block_dequantize(int64_t kind, at::Tensor q, at::Tensor scale,
 // int8 x int8 -> exact int32 [M, N] = xq [M, K] . wq [N, K]^T for decode-sized M (int8_gemv.cpp):
 // the same sums as torch._int_mm
 at::Tensor int8_gemv(at::Tensor xq, at::Tensor wq);
+
+// the W8A8 products: int8_gemv up to kInt8GemvRows rows (decode), oneDNN's int8 GEMM
+// (at::_int_mm) above; exact either way, so the choice changes no result
+constexpr int64_t kInt8GemvRows = 16;
+at::Tensor int8_mm(at::Tensor xq, at::Tensor wq);
