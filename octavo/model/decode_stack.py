@@ -2,7 +2,8 @@
 runs every decoder layer of a step whose rows are all single-token decodes in one C++ loop,
 calling the same compiled kernels in the same order as the Python layers (layers.py), so the
 logits are identical (tests/model/test_decode_stack.py); prefill and mixed steps keep the
-Python path.
+Python path, and so do decode steps of more than block_quant.SMALL_BATCH rows on a model with
+block weights (their tiled path is Python's).
 
 It applies to the plain pre-norm Llama layer (Llama, Mistral/Qwen2 without sliding layers,
 SmolLM2, ...) on CPU with octavo's compiled ops and paged-decode kernel, whatever the linear
@@ -19,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from octavo.model.block_quant import BlockQuantLinear
+from octavo.model.block_quant import SMALL_BATCH, BlockQuantLinear
 from octavo.model.layers import MLP, Attention, DecoderLayer, RMSNorm
 from octavo.model.linear import PackedLinear
 from octavo.model.llama import LlamaForCausalLM
@@ -85,8 +86,12 @@ def build_decode_stack(model: nn.Module, backend: Any, kv_groups: Any) -> Any | 
         return None
     first = model.layers[0]
     attn = first.self_attn
+    # a block-weight layer runs its register kernel up to SMALL_BATCH rows and its tiled path
+    # above (BlockQuantLinear.forward): larger steps stay in Python, so both paths compute alike
+    blocks = any(isinstance(m, BlockQuantLinear) for m in model.layers.modules())
     stack = ops.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                            first.input_layernorm.eps, attn.scale)
+                            first.input_layernorm.eps, attn.scale,
+                            SMALL_BATCH if blocks else 2**62)
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

@@ -62,7 +62,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         meta = metas[0]
         if (self.decode_stack is not None and num_layers is None and not meta.prefills
-                and meta.num_decodes == x.shape[0] and meta.decode_first_pos is None):
+                and meta.num_decodes == x.shape[0] and meta.decode_first_pos is None
+                and x.shape[0] <= self.decode_stack.max_rows()):
             x, residual = self.decode_stack.forward(
                 x, cos, sin, kv_cache.device_cache, meta.slot_mapping, meta.decode_block_tables,
                 meta.decode_context_lens)

@@ -61,3 +61,16 @@ def test_python_path_where_it_does_not_apply(monkeypatch, tiny_llama_dir, kwargs
     assert not built
     want, _ = run(monkeypatch, False, str(tiny_llama_dir), TINY_PROMPTS, **kwargs)
     assert got == want
+
+
+def test_block_weights_past_small_batch_take_the_python_path(monkeypatch, tiny_llama_dir):
+    """Decode steps of more than SMALL_BATCH rows on block weights run the tiled path in
+    Python, as without the C++ loop: identical tokens and logprobs for a batch of 20."""
+    from octavo.model.block_quant import SMALL_BATCH
+
+    prompts = [{"prompt_token_ids": [3 + i, 40 + 2 * i, 7]} for i in range(SMALL_BATCH + 4)]
+    with_stack, built = run(monkeypatch, True, str(tiny_llama_dir), prompts,
+                            quantization="int4")
+    assert built
+    without, _ = run(monkeypatch, False, str(tiny_llama_dir), prompts, quantization="int4")
+    assert with_stack == without

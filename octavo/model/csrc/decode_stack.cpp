@@ -60,9 +60,13 @@ struct Layer {
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-              double scale)
+              double scale, int64_t max_rows)
       : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
-        scale_(scale) {}
+        scale_(scale), max_rows_(max_rows) {}
+
+  // the most rows a step may have to run here (block_quant.py's SMALL_BATCH where a layer
+  // has block weights: larger batches take its tiled path, in Python)
+  int64_t max_rows() const { return max_rows_; }
 
   static Linear make_linear(int64_t type, std::vector<at::Tensor> tensors,
                             c10::optional<at::Tensor> bias, int64_t kind, int64_t group,
@@ -90,6 +94,8 @@ class DecodeStack {
                                   at::Tensor device_cache, at::Tensor slot_mapping,
                                   at::Tensor block_tables, at::Tensor context_lens) {
     const int64_t T = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    TORCH_CHECK(T <= max_rows_, "a decode step of ", T, " rows; this stack runs up to ",
+                max_rows_);
     at::Tensor residual;
     for (const Layer& L : layers_) {
       at::Tensor h;
@@ -120,6 +126,7 @@ class DecodeStack {
  private:
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
+  int64_t max_rows_;
   std::vector<Layer> layers_;
 };
 
@@ -127,8 +134,10 @@ class DecodeStack {
 
 void bind_decode_stack(py::module& m) {
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("scale"), py::arg("max_rows"))
+      .def("max_rows", &DecodeStack::max_rows)
       .def("add_layer", &DecodeStack::add_layer,
            "one decoder layer: its norms' weights, its KV cache slot and its four linear layers "
            "as (type, tensors, bias, kind, group, int8_activations)")
