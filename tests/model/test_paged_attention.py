@@ -177,6 +177,69 @@ def test_decode_kernel_head_dims_and_long_contexts(head_dim, block_size, dtype, 
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
 
 
+def _random_decode(gen, lens, heads, kv_heads, head_dim, block_size, dtype=torch.float32):
+    nblocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(nblocks) + 1
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for nb in nblocks:
+        tables.append(perm[:nb] + [0] * (max(nblocks) - nb))
+        perm = perm[nb:]
+    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 3).to(dtype)
+    return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 5, 8, 20])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_kernel_gqa_group_sizes(group, head_dim, isa):
+    """Query heads per KV head from 1 (MHA) to 20: the AVX-512 kernel reads each V row once
+    for up to 4 (head_dim 64), 2 (128) or 1 (256) heads of a group and scores 16 heads per
+    pass, so groups that are not multiples of those take its remainder passes."""
+    kernel = get_backend("cpu", torch.device("cpu"), isa).kernel
+    gen = torch.Generator().manual_seed(group * 1000 + head_dim)
+    kv_heads = 2
+    heads = group * kv_heads
+    lens = [3, 16, 41]
+    q, k_cache, v_cache, tables, ctx = _random_decode(gen, lens, heads, kv_heads, head_dim, 16)
+    out = kernel.paged_decode(q, k_cache, v_cache, tables, ctx, head_dim**-0.5)
+    for b, n in enumerate(lens):
+        keys = k_cache[tables[b]].flatten(0, 1)[:n]
+        values = v_cache[tables[b]].flatten(0, 1)[:n]
+        ref = F.scaled_dot_product_attention(
+            q[b][:, None, :], keys.repeat_interleave(group, 1).transpose(0, 1),
+            values.repeat_interleave(group, 1).transpose(0, 1), scale=head_dim**-0.5)[:, 0, :]
+        torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_kernel_result_independent_of_batch_and_threads(isa):
+    """The kernel hands sequences to threads longest first, as each thread frees up: a
+    sequence's output is bit-identical alone, in any batch order and on 1 or 2 threads."""
+    kernel = get_backend("cpu", torch.device("cpu"), isa).kernel
+    gen = torch.Generator().manual_seed(7)
+    lens = [5, 300, 17, 129, 64, 1, 250]
+    q, k_cache, v_cache, tables, ctx = _random_decode(gen, lens, 9, 3, 64, 16)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(kernel.paged_decode(q, k_cache, v_cache, tables, ctx, 0.125))
+        order = torch.randperm(len(lens), generator=gen)
+        shuffled = kernel.paged_decode(q[order], k_cache, v_cache, tables[order], ctx[order],
+                                       0.125)
+        alone = [kernel.paged_decode(q[b:b + 1], k_cache, v_cache, tables[b:b + 1],
+                                     ctx[b:b + 1], 0.125) for b in range(len(lens))]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(shuffled, outs[0][order])
+    assert torch.equal(torch.cat(alone), outs[0])
+
+
 @pytest.mark.parametrize("length", [1, 7, 300])
 def test_bf16_eager_prefill_matches_fp32_reference(length):
     from octavo.model.attention.torch_backend import eager_causal

@@ -1,8 +1,9 @@
 // The AVX-512 path of paged_decode.cpp: the same algorithm (per sequence, block by block, online
 // softmax in fp32), with 16 keys at a time. For each query head, the 16 dot products of a chunk
 // are 16 vectors of partial sums folded into one vector of 16 scores by a transpose-and-add tree
-// (no horizontal sum per key), exp() runs on all 16 lanes at once, and the V rows are
-// accumulated into a register-resident fp32 accumulator. K/V rows are read and widened to fp32
+// (no horizontal sum per key), exp() runs on all 16 lanes at once; then the V rows are read once
+// for the query heads of a GQA group (up to 4 at a time) and accumulated into register-resident
+// fp32 accumulators. K/V rows are read and widened to fp32
 // straight from the cache blocks.
 #pragma once
 
@@ -74,6 +75,28 @@ inline __m512 softcap16(__m512 s, int n, float cap) {
   return _mm512_load_ps(buf);
 }
 
+// acc[h] += sum_t p[h][t] * v_t for HN query heads sharing one KV head: each V row is loaded
+// once for all of them, and the HN * HD / 16 accumulators are independent FMA chains (one head
+// alone is HD / 16 chains of n dependent FMAs, bound by their latency). Each head's sum runs
+// over t in order, as one head at a time would.
+template <typename T, int HD, int HN>
+inline void accumulate_v(const T* vh, int64_t row, int n, const float (*p)[16], float* const* a) {
+  constexpr int C = HD / 16;
+  __m512 av[HN][C];
+  for (int h = 0; h < HN; ++h)
+    for (int c = 0; c < C; ++c) av[h][c] = _mm512_loadu_ps(a[h] + 16 * c);
+  for (int t = 0; t < n; ++t) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vh + t * row + 16 * c);
+    for (int h = 0; h < HN; ++h) {
+      const __m512 pt = _mm512_set1_ps(p[h][t]);
+      for (int c = 0; c < C; ++c) av[h][c] = _mm512_fmadd_ps(pt, vv[c], av[h][c]);
+    }
+  }
+  for (int h = 0; h < HN; ++h)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(a[h] + 16 * c, av[h][c]);
+}
+
 // One sequence: keys at table slots lo..len-1. q: [num_heads, HD] already scaled, fp32. State
 // per query head in m, l, acc. softcap 0: none.
 template <typename T, int HD>
@@ -82,6 +105,8 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
                        int64_t block_size, float softcap, float* m, float* l, float* acc,
                        T* out) {
   constexpr int C = HD / 16;
+  constexpr int HB = C >= 16 ? 1 : C >= 8 ? 2 : 4;  // heads per V pass: <= 16 accumulators
+  constexpr int64_t kGroupBatch = 16;          // query heads of a KV head scored per pass
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * HD;
   const int64_t block_elems = block_size * row;
@@ -89,7 +114,7 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t h = 0; h < num_heads; ++h) m[h] = neg_inf, l[h] = 0.f;
   for (int64_t i = 0; i < num_heads * HD; ++i) acc[i] = 0.f;
-  alignas(64) float p_buf[16];
+  alignas(64) float p_buf[kGroupBatch][16];
   const int64_t nblocks = (len + block_size - 1) / block_size;
   const int64_t j0 = lo / block_size;
   // Keep kPrefetchBlocks blocks in flight ahead of the one being read.
@@ -114,41 +139,51 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         const T* kh = kb + kvh * HD;
         const T* vh = vb + kvh * HD;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t head = kvh * group + g;
-          __m512 qv[C];
-          for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + head * HD + 16 * c);
-          __m512 part[16];
-          for (int t = 0; t < 16; ++t) {
-            if (t < n) {
-              __m512 s = _mm512_mul_ps(qv[0], load16(kh + t * row));
-              for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[c], load16(kh + t * row + 16 * c), s);
-              part[t] = s;
-            } else {
-              part[t] = _mm512_setzero_ps();
+        for (int64_t g0 = 0; g0 < group; g0 += kGroupBatch) {
+          const int64_t gn = std::min(kGroupBatch, group - g0);
+          // the scores of this chunk for each query head, then its softmax weights p_buf
+          for (int64_t gi = 0; gi < gn; ++gi) {
+            const int64_t head = kvh * group + g0 + gi;
+            __m512 qv[C];
+            for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + head * HD + 16 * c);
+            __m512 part[16];
+            for (int t = 0; t < 16; ++t) {
+              if (t < n) {
+                __m512 s = _mm512_mul_ps(qv[0], load16(kh + t * row));
+                for (int c = 1; c < C; ++c)
+                  s = _mm512_fmadd_ps(qv[c], load16(kh + t * row + 16 * c), s);
+                part[t] = s;
+              } else {
+                part[t] = _mm512_setzero_ps();
+              }
+            }
+            __m512 dots = sum_lanes16(part);
+            if (softcap > 0.f) dots = softcap16(dots, n, softcap);
+            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, dots);
+            const float block_max = _mm512_reduce_max_ps(scores);
+            if (block_max > m[head]) {
+              float* a = acc + head * HD;
+              const float f = m[head] == neg_inf ? 0.f : std::exp(m[head] - block_max);
+              for (int i = 0; i < HD; ++i) a[i] *= f;
+              l[head] *= f;
+              m[head] = block_max;
+            }
+            const __m512 p = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[head])));
+            l[head] += _mm512_reduce_add_ps(p);
+            _mm512_store_ps(p_buf[gi], p);
+          }
+          // acc += p . V, the V rows read once for up to HB heads
+          for (int64_t gi = 0; gi < gn; gi += HB) {
+            const int hn = static_cast<int>(std::min<int64_t>(HB, gn - gi));
+            float* a[HB];
+            for (int h = 0; h < hn; ++h) a[h] = acc + (kvh * group + g0 + gi + h) * HD;
+            switch (hn) {
+              case 1: accumulate_v<T, HD, 1>(vh, row, n, p_buf + gi, a); break;
+              case 2: if constexpr (HB >= 2) accumulate_v<T, HD, 2>(vh, row, n, p_buf + gi, a); break;
+              case 3: if constexpr (HB >= 3) accumulate_v<T, HD, 3>(vh, row, n, p_buf + gi, a); break;
+              default: if constexpr (HB >= 4) accumulate_v<T, HD, 4>(vh, row, n, p_buf + gi, a); break;
             }
           }
-          __m512 dots = sum_lanes16(part);
-          if (softcap > 0.f) dots = softcap16(dots, n, softcap);
-          const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, dots);
-          const float block_max = _mm512_reduce_max_ps(scores);
-          float* a = acc + head * HD;
-          if (block_max > m[head]) {
-            const float f = m[head] == neg_inf ? 0.f : std::exp(m[head] - block_max);
-            for (int i = 0; i < HD; ++i) a[i] *= f;
-            l[head] *= f;
-            m[head] = block_max;
-          }
-          const __m512 p = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[head])));
-          l[head] += _mm512_reduce_add_ps(p);
-          _mm512_store_ps(p_buf, p);
-          __m512 av[C];
-          for (int c = 0; c < C; ++c) av[c] = _mm512_loadu_ps(a + 16 * c);
-          for (int t = 0; t < n; ++t) {
-            const __m512 pt = _mm512_set1_ps(p_buf[t]);
-            for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(pt, load16(vh + t * row + 16 * c), av[c]);
-          }
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
         }
       }
     }

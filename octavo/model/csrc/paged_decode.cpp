@@ -22,8 +22,11 @@
 #include "decode_avx2.h"
 #include "decode_avx512.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -53,12 +56,23 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const int64_t row = num_kv_heads * head_dim;  // elements between slots in the cache
   const int64_t block_elems = block_size * row;
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  // Sequences go to the threads longest first, each thread taking the next one when it is done
+  // (a static split gave one thread 27% more keys than the other on `mixed`); which thread
+  // computes a sequence changes nothing in its result.
+  std::vector<int64_t> order(num_seqs);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return context_lens[a] > context_lens[b];
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // per query head: q (scaled), running max, running sum, accumulator; per block: scores
     std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim);
     std::vector<float> mx(num_heads), sum(num_heads), scores(num_heads * block_size);
     std::vector<float> kbuf(head_dim), vbuf(head_dim);
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t i = next.fetch_add(1); i < num_seqs; i = next.fetch_add(1)) {
+      const int64_t b = order[i];
       // keys are read from table slot lo to len (both relative to the table's first slot)
       const int64_t fp = first_pos ? first_pos[b] : 0;
       const int64_t len = context_lens[b] - fp;
