@@ -10,13 +10,13 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "block_prefetch.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
 namespace octavo {
-
-constexpr int64_t kPrefetchBlocks2 = 2;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -86,18 +86,11 @@ void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const i
   alignas(32) float buf[8];
   const int64_t nblocks = (len + block_size - 1) / block_size;
   const int64_t j0 = lo / block_size;
-  auto prefetch = [&](int64_t jj) {
-    const char* nk = reinterpret_cast<const char*>(k_cache + table[jj] * block_elems);
-    const char* nv = reinterpret_cast<const char*>(v_cache + table[jj] * block_elems);
-    for (int64_t off = 0; off < block_bytes; off += 64) {
-      _mm_prefetch(nk + off, _MM_HINT_T0);
-      _mm_prefetch(nv + off, _MM_HINT_T0);
-    }
-  };
-  for (int64_t jj = j0 + 1; jj < std::min<int64_t>(nblocks, j0 + kPrefetchBlocks2); ++jj)
-    prefetch(jj);
+  // the next block is prefetched a slice after each query head's scores (block_prefetch.h)
+  BlockPrefetch ahead(block_bytes, num_heads * ((block_size + 7) / 8));
   for (int64_t j = j0; j < nblocks; ++j) {
-    if (j + kPrefetchBlocks2 < nblocks) prefetch(j + kPrefetchBlocks2);
+    if (j + 1 < nblocks)
+      ahead.start(k_cache + table[j + 1] * block_elems, v_cache + table[j + 1] * block_elems);
     const int64_t block_len = std::min(block_size, len - j * block_size);
     for (int64_t t0 = j == j0 ? lo % block_size : 0; t0 < block_len; t0 += 8) {
       const int n = static_cast<int>(std::min<int64_t>(8, block_len - t0));
@@ -136,6 +129,7 @@ void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const i
           const __m256 p = exp8(_mm256_sub_ps(scores, _mm256_set1_ps(m[head])));
           l[head] += reduce_add8(p);
           _mm256_store_ps(buf, p);
+          ahead.some();
           __m256 av[C];
           for (int c = 0; c < C; ++c) av[c] = _mm256_loadu_ps(a + 8 * c);
           for (int t = 0; t < n; ++t) {

@@ -12,16 +12,14 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "block_prefetch.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
 namespace octavo {
 
-#ifndef OCTAVO_PREFETCH_BLOCKS
-#define OCTAVO_PREFETCH_BLOCKS 2
-#endif
-constexpr int64_t kPrefetchBlocks = OCTAVO_PREFETCH_BLOCKS;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -117,19 +115,14 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
   alignas(64) float p_buf[kGroupBatch][16];
   const int64_t nblocks = (len + block_size - 1) / block_size;
   const int64_t j0 = lo / block_size;
-  // Keep kPrefetchBlocks blocks in flight ahead of the one being read.
-  auto prefetch = [&](int64_t jj) {
-    const char* nk = reinterpret_cast<const char*>(k_cache + table[jj] * block_elems);
-    const char* nv = reinterpret_cast<const char*>(v_cache + table[jj] * block_elems);
-    for (int64_t off = 0; off < block_bytes; off += 64) {
-      _mm_prefetch(nk + off, _MM_HINT_T0);
-      _mm_prefetch(nv + off, _MM_HINT_T0);
-    }
-  };
-  for (int64_t jj = j0 + 1; jj < std::min<int64_t>(nblocks, j0 + kPrefetchBlocks); ++jj)
-    prefetch(jj);
+  // The next block is prefetched while this one is computed, a slice of its lines after each
+  // query head's scores (BlockPrefetch): issued as one burst at the start of a block, its
+  // prefetches filled the miss queues and stalled the loads of the block being read (a step of
+  // `mixed` read its K/V at 20 GB/s that way, 30 spread out; bf16 2.5x faster).
+  BlockPrefetch ahead(block_bytes, num_heads * ((block_size + 15) / 16));
   for (int64_t j = j0; j < nblocks; ++j) {
-    if (j + kPrefetchBlocks < nblocks) prefetch(j + kPrefetchBlocks);
+    if (j + 1 < nblocks)
+      ahead.start(k_cache + table[j + 1] * block_elems, v_cache + table[j + 1] * block_elems);
     const int64_t block_len = std::min(block_size, len - j * block_size);
     for (int64_t t0 = j == j0 ? lo % block_size : 0; t0 < block_len; t0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, block_len - t0));
@@ -171,6 +164,7 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
             const __m512 p = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[head])));
             l[head] += _mm512_reduce_add_ps(p);
             _mm512_store_ps(p_buf[gi], p);
+            ahead.some();
           }
           // acc += p . V, the V rows read once for up to HB heads
           for (int64_t gi = 0; gi < gn; gi += HB) {

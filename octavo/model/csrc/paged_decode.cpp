@@ -2,8 +2,8 @@
 //
 // One work item per sequence. It walks the sequence's block table once; each block holds
 // [block_size, num_kv_heads, head_dim] contiguous K (and V) rows, so a block is one sequential
-// read, and the next block is prefetched while this one is used (blocks sit anywhere in the
-// pool, which the hardware prefetcher cannot guess). Softmax is online (flash-decoding style):
+// read, and the next block is prefetched, a slice at a time, while this one is used (blocks sit
+// anywhere in the pool, which the hardware prefetcher cannot guess; block_prefetch.h). Softmax is online (flash-decoding style):
 // per (KV head, query head of its group) a running max, a running sum and an fp32 accumulator,
 // rescaled only when a block raises the max. The query heads of a GQA group share every K/V row
 // they read. exp() is a vectorisable polynomial (about 1 ulp). Everything accumulates in fp32
@@ -17,6 +17,7 @@
 // time), with AVX2 + FMA (decode_avx2.h, 8 keys at a time) and portable (the loops below).
 #include <ATen/Parallel.h>
 
+#include "block_prefetch.h"
 #include "ops.h"
 #include "vec_math.h"
 #include "decode_avx2.h"
@@ -37,11 +38,6 @@ namespace {
 using octavo::as_float;
 using octavo::exp_approx;
 using octavo::store;
-
-inline void prefetch_block(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
-}
 
 // HD: head_dim fixed at compile time (fully unrolled loops), or 0 for any head_dim.
 // first_pos: null, or per sequence the position of its table's first slot.
@@ -96,13 +92,12 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
       const int64_t nblocks = (len + block_size - 1) / block_size;
+      octavo::BlockPrefetch ahead(block_bytes, num_heads);  // a slice per head's softmax
       for (int64_t j = lo / block_size; j < nblocks; ++j) {
         const T* kb = k_cache + table[j] * block_elems;
         const T* vb = v_cache + table[j] * block_elems;
-        if (j + 1 < nblocks) {
-          prefetch_block(k_cache + table[j + 1] * block_elems, block_bytes);
-          prefetch_block(v_cache + table[j + 1] * block_elems, block_bytes);
-        }
+        if (j + 1 < nblocks)
+          ahead.start(k_cache + table[j + 1] * block_elems, v_cache + table[j + 1] * block_elems);
         const int64_t t_lo = j == lo / block_size ? lo % block_size : 0;
         const int64_t n = std::min(block_size, len - j * block_size);
         // scores[head][t] = q_head . k_t
@@ -121,6 +116,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         }
         // online softmax: raise the running max, rescale, exponentiate this block's scores
         for (int64_t head = 0; head < num_heads; ++head) {
+          ahead.some();
           float* sh = scores.data() + head * block_size;
           float m = mx[head];
           for (int64_t t = t_lo; t < n; ++t) m = sh[t] > m ? sh[t] : m;
