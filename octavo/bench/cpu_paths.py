@@ -5,7 +5,9 @@ next), so this benchmark runs octavo on each build this CPU can run, forcing the
 (`cpu_isa=avx2`, `portable`) on a better CPU:
 
 1. **decode attention**: the compiled paged-decode kernel of each build against torch's gather +
-   SDPA, batch 32 x 512 tokens of context, the model's head shape, fp32 and bf16;
+   SDPA, batch 32 x 512 tokens of context, the model's head shape, fp32 and bf16; and as in a
+   whole decode step, where the K/V come from memory, not cache: 64 sequences of 40-640
+   tokens, every layer with its own cache, blocks shuffled through the pool (GB/s of K/V read);
    **prefill attention**: one layer's attention over every prefill chunk of a step (K/V write
    included), the compiled paged-prefill kernel of each build (one call) against the torch
    backend (one SDPA per chunk, gathering the blocks of chunks that start past 0), for two
@@ -66,6 +68,42 @@ def decode_attention_rows(cfg: ModelConfig, repeats: int, ctx: int) -> list[dict
                          "path": "torch (gather + SDPA)" if isa is None else f"kernel {isa}",
                          "ms": ms})
     return with_x_torch(rows, ("dtype",))
+
+
+def decode_step_rows(cfg: ModelConfig, repeats: int, batch: int, layers: int) -> list[dict]:
+    """Decode attention of a whole step: `layers` calls, each on its own cache (as many blocks
+    as the batch needs, shuffled), so that K/V are read from memory as in a real step (one
+    layer's cache alone stays in cache between calls and hides how the kernel streams)."""
+    heads, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    gen = torch.Generator().manual_seed(1)
+    ctx = torch.randint(40, 641, (batch,), generator=gen)
+    nblocks = [-(-int(n) // BLOCK) for n in ctx]
+    total = sum(nblocks)
+    perm = torch.randperm(total, generator=gen).tolist()
+    tables = torch.zeros(batch, max(nblocks), dtype=torch.long)
+    for b, nb in enumerate(nblocks):
+        tables[b, :nb] = torch.tensor(perm[:nb])
+        perm = perm[nb:]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        caches = [(torch.randn(total, BLOCK, kvh, hd, generator=gen).to(dtype),
+                   torch.randn(total, BLOCK, kvh, hd, generator=gen).to(dtype))
+                  for _ in range(layers)]
+        q = torch.randn(batch, heads, hd, generator=gen).to(dtype)
+        kv_bytes = 2 * int(ctx.sum()) * kvh * hd * dtype.itemsize * layers
+        for isa in supported_isas():
+            kernel = get_backend("cpu", torch.device("cpu"), isa).kernel
+            ms = call_ms(_decode_step, (kernel, q, caches, tables, ctx, hd**-0.5), repeats, 3)
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "path": f"kernel {isa}",
+                         "batch": batch, "layers": layers, "ms": ms,
+                         "kv_gb_s": kv_bytes / ms / 1e6})
+        del caches
+    return rows
+
+
+def _decode_step(kernel, q, caches, tables, ctx, scale: float) -> None:
+    for k, v in caches:
+        kernel.paged_decode(q, k, v, tables, ctx, scale)
 
 
 def call_ms(fn, args: tuple, repeats: int, calls: int) -> float:
@@ -209,6 +247,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     cfg = ModelConfig.from_dir(resolve_model_dir(opts.model))
     isas = supported_isas()
     attn = decode_attention_rows(cfg, repeats, opts.pick(128, DECODE_CTX))
+    step_attn = decode_step_rows(cfg, repeats, opts.pick(8, 64), opts.pick(2, cfg.num_layers))
     prefill = prefill_attention_rows(cfg, repeats)
     single = single_stream_rows(opts, isas, repeats)
     mixed = mixed_rows(opts, isas, repeats)
@@ -221,6 +260,12 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         "",
         md_table(["dtype", "path", "ms / call", "x torch"],
                  [[r["dtype"], r["path"], r["ms"], r["x_torch"]] for r in attn], 3),
+        "",
+        f"Decode attention of a whole step: {opts.pick(8, 64)} sequences of 40-640 tokens, "
+        f"{opts.pick(2, cfg.num_layers)} layers each with its own cache (K/V read from memory):",
+        "",
+        md_table(["dtype", "path", "ms / step", "K/V GB/s"],
+                 [[r["dtype"], r["path"], r["ms"], r["kv_gb_s"]] for r in step_attn], 3),
         "",
         "Prefill attention, one layer, every prefill chunk of a step (K/V write included); "
         "`prompts`: 8 prompts of 32-512 tokens + 2 continuations of 256 after 256 cached; "
@@ -248,7 +293,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     ]
     config = {"repeats": repeats, "isas": isas, "threads": opts.threads}
     res = BenchResult("cpu", opts.command, config,
-                      {"decode_attention": attn, "prefill_attention": prefill,
+                      {"decode_attention": attn, "decode_step_attention": step_attn,
+                       "prefill_attention": prefill,
                        "single_stream": single, "mixed": mixed},
                       "\n".join(md), elapsed_s=time.perf_counter() - t0)
     return res, plot

@@ -142,6 +142,10 @@ def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> 
     res = result["results"]
     assert {r["path"] for r in res["decode_attention"]} == {
         "torch (gather + SDPA)", *(f"kernel {i}" for i in isas)}
+    step = res["decode_step_attention"]
+    assert [(r["dtype"], r["path"]) for r in step] == [
+        (d, f"kernel {i}") for d in ("float32", "bfloat16") for i in isas]
+    assert all(r["ms"] > 0 and r["kv_gb_s"] > 0 for r in step)
     assert [r["isa"] for r in res["single_stream"]] == isas
     for r in res["single_stream"]:
         assert r["kernel_path"]["isa"] == r["isa"]
