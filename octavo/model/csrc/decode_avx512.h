@@ -3,8 +3,7 @@
 // are 16 vectors of partial sums folded into one vector of 16 scores by a transpose-and-add tree
 // (no horizontal sum per key), exp() runs on all 16 lanes at once; then the V rows are read once
 // for the query heads of a GQA group (up to 4 at a time) and accumulated into register-resident
-// fp32 accumulators. K/V rows are read and widened to fp32
-// straight from the cache blocks.
+// fp32 accumulators. K/V rows are read and widened to fp32 straight from the cache blocks.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -19,7 +18,6 @@
 #include <limits>
 
 namespace octavo {
-
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -104,7 +102,7 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
                        T* out) {
   constexpr int C = HD / 16;
   constexpr int HB = C >= 16 ? 1 : C >= 8 ? 2 : 4;  // heads per V pass: <= 16 accumulators
-  constexpr int64_t kGroupBatch = 16;          // query heads of a KV head scored per pass
+  constexpr int64_t kGroupBatch = 16;  // query heads of a KV head scored per pass
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * HD;
   const int64_t block_elems = block_size * row;
@@ -171,11 +169,12 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
             const int hn = static_cast<int>(std::min<int64_t>(HB, gn - gi));
             float* a[HB];
             for (int h = 0; h < hn; ++h) a[h] = acc + (kvh * group + g0 + gi + h) * HD;
-            switch (hn) {
-              case 1: accumulate_v<T, HD, 1>(vh, row, n, p_buf + gi, a); break;
-              case 2: if constexpr (HB >= 2) accumulate_v<T, HD, 2>(vh, row, n, p_buf + gi, a); break;
-              case 3: if constexpr (HB >= 3) accumulate_v<T, HD, 3>(vh, row, n, p_buf + gi, a); break;
-              default: if constexpr (HB >= 4) accumulate_v<T, HD, 4>(vh, row, n, p_buf + gi, a); break;
+            const float(*p)[16] = p_buf + gi;
+            switch (hn) {  // hn <= HB
+              case 1: accumulate_v<T, HD, 1>(vh, row, n, p, a); break;
+              case 2: if constexpr (HB >= 2) accumulate_v<T, HD, 2>(vh, row, n, p, a); break;
+              case 3: if constexpr (HB >= 3) accumulate_v<T, HD, 3>(vh, row, n, p, a); break;
+              default: if constexpr (HB >= 4) accumulate_v<T, HD, 4>(vh, row, n, p, a); break;
             }
           }
         }

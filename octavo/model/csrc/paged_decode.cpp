@@ -3,7 +3,8 @@
 // One work item per sequence. It walks the sequence's block table once; each block holds
 // [block_size, num_kv_heads, head_dim] contiguous K (and V) rows, so a block is one sequential
 // read, and the next block is prefetched, a slice at a time, while this one is used (blocks sit
-// anywhere in the pool, which the hardware prefetcher cannot guess; block_prefetch.h). Softmax is online (flash-decoding style):
+// anywhere in the pool, which the hardware prefetcher cannot guess; block_prefetch.h). Threads
+// take sequences longest first as they free up. Softmax is online (flash-decoding style):
 // per (KV head, query head of its group) a running max, a running sum and an fp32 accumulator,
 // rescaled only when a block raises the max. The query heads of a GQA group share every K/V row
 // they read. exp() is a vectorisable polynomial (about 1 ulp). Everything accumulates in fp32
@@ -27,9 +28,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <numeric>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -61,7 +62,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
     return context_lens[a] > context_lens[b];
   });
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
+  const int64_t workers =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // per query head: q (scaled), running max, running sum, accumulator; per block: scores
     std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim);
