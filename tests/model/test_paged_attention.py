@@ -140,6 +140,22 @@ def test_decode_kernel_bfloat16_matches_reference(isa):
         torch.testing.assert_close(out[b].float(), ref[0], atol=2e-2, rtol=2e-2)
 
 
+def _random_decode(gen, lens, heads, kv_heads, head_dim, block_size, dtype=torch.float32,
+                   q_scale=3.0):
+    """q and K/V caches whose blocks are shuffled through the pool, and the tables to them."""
+    nblocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(nblocks) + 1
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for nb in nblocks:
+        tables.append(perm[:nb] + [0] * (max(nblocks) - nb))
+        perm = perm[nb:]
+    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * q_scale).to(dtype)
+    return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens)
+
+
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -152,43 +168,20 @@ def test_decode_kernel_head_dims_and_long_contexts(head_dim, block_size, dtype, 
     gen = torch.Generator().manual_seed(head_dim + block_size)
     heads, kv_heads = 9, 3
     lens = [1, 15, 16, 17, 100, 333]
-    nblocks = [-(-n // block_size) for n in lens]
-    num_blocks = sum(nblocks) + 2
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = []
-    for nb in nblocks:
-        tables.append(perm[:nb] + [0] * (max(nblocks) - nb))
-        perm = perm[nb:]
-    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 4).to(dtype)
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), torch.tensor(tables),
-                             torch.tensor(lens), [])
+    q, k_cache, v_cache, tables, ctx = _random_decode(gen, lens, heads, kv_heads, head_dim,
+                                                      block_size, dtype, q_scale=4.0)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), tables, ctx, [])
     scale = head_dim**-0.5
     out = kernel_backend._decode(q, k_cache, v_cache, meta, scale)
     for b, n in enumerate(lens):
-        keys = k_cache[torch.tensor(tables[b])].flatten(0, 1)[:n].float()
-        values = v_cache[torch.tensor(tables[b])].flatten(0, 1)[:n].float()
+        keys = k_cache[tables[b]].flatten(0, 1)[:n].float()
+        values = v_cache[tables[b]].flatten(0, 1)[:n].float()
         rep = heads // kv_heads
         ref = F.scaled_dot_product_attention(
             q[b].float()[:, None, :], keys.repeat_interleave(rep, 1).transpose(0, 1),
             values.repeat_interleave(rep, 1).transpose(0, 1), scale=scale)[:, 0, :]
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
-
-
-def _random_decode(gen, lens, heads, kv_heads, head_dim, block_size, dtype=torch.float32):
-    nblocks = [-(-n // block_size) for n in lens]
-    num_blocks = sum(nblocks) + 1
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = []
-    for nb in nblocks:
-        tables.append(perm[:nb] + [0] * (max(nblocks) - nb))
-        perm = perm[nb:]
-    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 3).to(dtype)
-    return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens)
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 5, 8, 20])
