@@ -4,7 +4,7 @@
 // 384 for a 16-token fp32 block of 3 KV heads x 64) fill the core's miss queues and stall the
 // loads of the block being read, which left a decode step of `mixed` reading its K/V at 20 GB/s
 // on a Zen 5 core pair. Spread over the block's computation, a slice after each query head's
-// scores, the same prefetches keep a steady stream: 30 GB/s there, and bf16 2.5x faster
+// scores, the same prefetches keep a steady stream: 31 GB/s there, and bf16 2.4x faster
 // (BENCHMARKS.md section 8).
 #pragma once
 

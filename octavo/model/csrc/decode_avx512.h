@@ -116,7 +116,7 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
   // The next block is prefetched while this one is computed, a slice of its lines after each
   // query head's scores (BlockPrefetch): issued as one burst at the start of a block, its
   // prefetches filled the miss queues and stalled the loads of the block being read (a step of
-  // `mixed` read its K/V at 20 GB/s that way, 30 spread out; bf16 2.5x faster).
+  // `mixed` read its K/V at 20 GB/s that way, 31 spread out; bf16 2.4x faster).
   BlockPrefetch ahead(block_bytes, num_heads * ((block_size + 15) / 16));
   for (int64_t j = j0; j < nblocks; ++j) {
     if (j + 1 < nblocks)
