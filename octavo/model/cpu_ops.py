@@ -6,7 +6,8 @@
 - `rope_`: rotary embedding of q and k, in place in the fused qkv buffer.
 - `silu_and_mul`: SwiGLU's silu(gate) * up from the fused gate_up buffer.
 - `quantize_rows_int8`, `int8_epilogue`: the two ends of a W8A8 linear layer (quantization.py),
-  and `int8_gemv`, its exact int32 products for decode-sized batches.
+  `int8_gemv`, its exact int32 products for decode-sized batches (`int8_mm` picks it or
+  oneDNN's GEMM), and `int8_linear`, the three in one call.
 - `block_linear`, `block_dequantize`: linear layers whose weights stay in 4-bit or 8-bit blocks
   (GGUF Q4_0/Q4_1/Q8_0, int4; block_quant.py).
 - `DecodeStack`: every decoder layer of an all-decode step in one C++ loop (decode_stack.py).

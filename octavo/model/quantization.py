@@ -92,17 +92,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.ops is not None:  # the compiled quantize pass and epilogue
-            xq, xs = self.ops.quantize_rows_int8(x2.contiguous(), 127.0)
+        if self.ops is not None:  # compiled quantize pass, int8 GEMV/GEMM and epilogue
+            out = self.ops.int8_linear(x2, self.weight_q, self.weight_scale, self.bias)
         else:
             xq, xs = quantize_rows(x2)
-        if self.ops is not None:  # octavo's GEMV for decode-sized batches, else oneDNN's
-            acc = self.ops.int8_mm(xq, self.weight_q)
-        else:
             acc = torch._int_mm(xq, self.weight_q.t())  # [tokens, out] int32, exact
-        if self.ops is not None:
-            out = self.ops.int8_epilogue(acc, xs, self.weight_scale, self.bias, x.dtype)
-        else:
             out = acc.to(torch.float32).mul_(xs).mul_(self.weight_scale)
             if self.bias is not None:
                 out.add_(self.bias.float())

@@ -36,5 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_mm", &int8_mm, "exact int32 xq . wq^T: int8_gemv for a few rows, else oneDNN",
         py::arg("xq"), py::arg("wq"));
   m.attr("INT8_GEMV_ROWS") = kInt8GemvRows;
+  m.def("int8_linear", &int8_linear,
+        "a W8A8 linear layer: quantize_rows_int8, int8_mm, int8_epilogue", py::arg("x"),
+        py::arg("wq"), py::arg("w_scale"), py::arg("bias"));
   bind_decode_stack(m);
 }

@@ -40,11 +40,8 @@ struct Linear {
         op.callBoxed(&stack);
         return stack[0].toTensor();
       }
-      case kInt8: {
-        auto qs = quantize_rows_int8(x.contiguous(), 127.0);
-        auto acc = int8_mm(qs[0], t[0]);
-        return int8_epilogue(acc, qs[1], t[1], bias, x.scalar_type());
-      }
+      case kInt8:
+        return int8_linear(x, t[0], t[1], bias);
       default:
         return at::linear(x, t[0], bias);
     }

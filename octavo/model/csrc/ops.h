@@ -63,3 +63,8 @@ at::Tensor int8_gemv(at::Tensor xq, at::Tensor wq);
 // (at::_int_mm) above; exact either way, so the choice changes no result
 constexpr int64_t kInt8GemvRows = 16;
 at::Tensor int8_mm(at::Tensor xq, at::Tensor wq);
+
+// a whole W8A8 linear layer, x [rows, K] -> x's dtype: quantize_rows_int8 (qmax 127), int8_mm,
+// int8_epilogue (Int8Linear.forward and the C++ decode loop both call this)
+at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor w_scale,
+                       c10::optional<at::Tensor> bias);
