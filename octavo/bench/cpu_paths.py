@@ -13,7 +13,8 @@ next), so this benchmark runs octavo on each build this CPU can run, forcing the
    backend (one SDPA per chunk, gathering the blocks of chunks that start past 0), for two
    steps: `prompts` (8 prompts of 32-512 tokens from position 0 and 2 chunked-prefill
    continuations of 256 tokens after 256 cached) and `verify` (64 sequences, each verifying
-   4 speculative drafts: 5 query tokens after 200-700 cached);
+   4 speculative drafts: 5 query tokens after 200-700 cached); bf16 on a CPU with AVX-512
+   bf16 dot products twice, on them and widened to fp32 as on a CPU without them;
 2. **single stream** (llama-bench's pp/tg shape: a 256-token prompt, 128 new tokens, greedy):
    prefill and generation tok/s, and a decode step split into the model's forward and the
    engine's own overhead (scheduling, batch preparation, sampling, output processing);
@@ -135,6 +136,24 @@ PREFILL_STEPS = {  # (cached tokens, new tokens) per chunk
 }
 
 
+def prefill_paths(dtype: torch.dtype) -> list[tuple[str, Any]]:
+    """(label, attention backend) for every prefill path of `dtype` this CPU runs: torch's
+    SDPA per chunk, each ISA build's kernel, and for bf16 on a CPU with bf16 dot products that
+    kernel both on them and widened to fp32 (as on a CPU without them)."""
+    paths: list[tuple[str, Any]] = [("torch (SDPA per chunk)",
+                                     get_backend("torch", torch.device("cpu")))]
+    for isa in supported_isas():
+        backend = get_backend("cpu", torch.device("cpu"), isa)
+        if dtype == torch.bfloat16 and backend.kernel.prefill_bf16_dot():
+            widened = get_backend("cpu", torch.device("cpu"), isa)
+            widened.bf16_dot = False
+            paths += [(f"kernel {isa} (bf16 dot products)", backend),
+                      (f"kernel {isa} (widened to fp32)", widened)]
+        else:
+            paths.append((f"kernel {isa}", backend))
+    return paths
+
+
 def prefill_attention_rows(cfg: ModelConfig, repeats: int) -> list[dict]:
     heads, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     gen = torch.Generator().manual_seed(0)
@@ -153,16 +172,13 @@ def prefill_attention_rows(cfg: ModelConfig, repeats: int) -> list[dict]:
             v_cache = torch.randn_like(k_cache)
             qkv = torch.randn(row, heads + 2 * kvh, hd, generator=gen).to(dtype)
             q, k, v = qkv.split([heads, kvh, kvh], dim=1)  # strided views, as in the model
-            paths = [("torch", None), *(("cpu", isa) for isa in supported_isas())]
-            for name, isa in paths:
-                backend = get_backend(name, torch.device("cpu"), isa)
+            for label, backend in prefill_paths(dtype):
                 meta = AttentionMetadata(torch.tensor(slots), 0, None, None, prefills)
                 ms = call_ms(backend.forward, (q, k, v, k_cache, v_cache, meta, hd**-0.5),
                              repeats, 5)
                 rows.append({"step": step, "chunks": len(chunks), "query_tokens": row,
-                             "dtype": str(dtype).removeprefix("torch."),
-                             "path": "torch (SDPA per chunk)" if isa is None
-                             else f"kernel {isa}", "ms": ms})
+                             "dtype": str(dtype).removeprefix("torch."), "path": label,
+                             "ms": ms})
     return with_x_torch(rows, ("step", "dtype"))
 
 

@@ -131,7 +131,7 @@ def test_gemm_floor_counts_every_weight_once_per_token() -> None:
 
 
 def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    from octavo.model.cpu_isa import supported_isas
+    from octavo.model.cpu_isa import cpu_flags, supported_isas
 
     argv = ["cpu", "--quick", "--threads", "1", "--num-requests", "4", "--model",
             str(tiny_llama_dir), "--out", str(tmp_path)]
@@ -142,6 +142,13 @@ def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> 
     res = result["results"]
     assert {r["path"] for r in res["decode_attention"]} == {
         "torch (gather + SDPA)", *(f"kernel {i}" for i in isas)}
+    dot = [i for i in isas if i == "avx512" and "avx512_bf16" in cpu_flags()]  # bf16 both ways
+    assert [(r["dtype"], r["path"]) for r in res["prefill_attention"] if r["step"] == "prompts"] \
+        == [("float32", p) for p in ("torch (SDPA per chunk)", *(f"kernel {i}" for i in isas))] \
+        + [("bfloat16", p) for p in ("torch (SDPA per chunk)", *(
+            x for i in isas for x in ((f"kernel {i} (bf16 dot products)",
+                                       f"kernel {i} (widened to fp32)") if i in dot
+                                      else (f"kernel {i}",))))]
     step = res["decode_step_attention"]
     assert [(r["dtype"], r["path"]) for r in step] == [
         (d, f"kernel {i}") for d in ("float32", "bfloat16") for i in isas]

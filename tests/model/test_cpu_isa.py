@@ -124,9 +124,22 @@ def test_engine_forced_to_avx2_runs_bf16_in_fp32_with_the_fp32_tokens(tiny_llama
     forced = LLM(model=str(tiny_llama_dir), dtype="bfloat16", cpu_isa="avx2")
     path = forced.engine.runner.kernel_path()
     assert path["dtype"] == "float32" and path["dtype_requested"] == "bfloat16"
-    assert path["isa"] == "avx2"
+    assert path["isa"] == "avx2" and not path["prefill_bf16_dot"]
     assert next(forced.engine.runner.model.parameters()).dtype == torch.float32
     fp32 = LLM(model=str(tiny_llama_dir), dtype="float32", cpu_isa="avx2")
     got = [o.outputs[0].token_ids for o in forced.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in fp32.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+@pytest.mark.skipif(supported_isas()[0] != "avx512" or "avx512_bf16" not in cpu_isa.cpu_flags(),
+                    reason="needs avx512_bf16")
+def test_bf16_engine_takes_bf16_dot_products_in_prefill(tiny_llama_dir):
+    """On a CPU with native bf16, a bf16 engine's prefill attention runs on bf16 dot products
+    (the kernel tests check their results), and its kernel path says so; fp32 does not."""
+    from octavo import LLM
+
+    bf16 = LLM(model=str(tiny_llama_dir), dtype="bfloat16")
+    assert bf16.engine.runner.kernel_path()["prefill_bf16_dot"]
+    fp32 = LLM(model=str(tiny_llama_dir), dtype="float32")
+    assert not fp32.engine.runner.kernel_path()["prefill_bf16_dot"]

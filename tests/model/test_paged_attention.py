@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from octavo.model.attention import get_backend
 from octavo.model.attention.base import AttentionMetadata, PrefillChunk
-from octavo.model.cpu_isa import supported_isas
+from octavo.model.cpu_isa import cpu_flags, supported_isas
 
 # every build of the compiled kernel this CPU can run (avx512, avx2, portable: best first)
 ISAS = supported_isas()
@@ -299,12 +299,15 @@ def test_prefill_kernel_equals_torch_on_every_build(isa, dtype, shape, window, s
     """Every prefill chunk of a step in one paged_prefill call equals the torch backend's
     per-chunk attention: prompts from 0, prefix hits and later chunks (contexts ending
     mid-block), one-token and multi-tile chunks, q strided inside a fused qkv buffer, windows
-    and soft caps; every ISA build this CPU runs, the portable one included."""
+    and soft caps; every ISA build this CPU runs, the portable one included, and bf16 both
+    widened to fp32 and in bf16 dot products."""
     from octavo.model.attention.base import prefill_batch
     from octavo.model.attention.torch_backend import TorchAttentionBackend
 
     head_dim, block_size, heads, kv_heads = shape
     ops = get_backend("cpu", torch.device("cpu"), isa).kernel
+    # bf16 takes the CPU's bf16 dot products on the AVX-512 build where it has them
+    assert ops.prefill_bf16_dot() == (isa == "avx512" and "avx512_bf16" in cpu_flags())
     gen = torch.Generator().manual_seed(head_dim + block_size + (window or 0))
     chunks = [(0, 37), (13, 5), (100, 1), (3, 64), (48, 33), (0, 2)]  # (cached, new)
     nblocks = [-(-(c + n) // block_size) for c, n in chunks]
@@ -341,3 +344,7 @@ def test_prefill_kernel_equals_torch_on_every_build(isa, dtype, shape, window, s
             v_cache.to(dtype).float(), one, scale, window, softcap)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:  # the other bf16 flavour: widened to fp32 / bf16 dot products
+        other = ops.paged_prefill(q, k_cache.to(dtype), v_cache.to(dtype), tables, query_start,
+                                  start_pos, scale, window or 0, softcap or 0.0, bf16_dot=False)
+        torch.testing.assert_close(other.float(), want, atol=tol, rtol=tol)

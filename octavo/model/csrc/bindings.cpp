@@ -12,7 +12,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill,
         "paged attention for every prefill chunk of a step in one call (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
-        py::arg("start_pos"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("start_pos"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("bf16_dot") = true);
+  m.def("prefill_bf16_dot", &prefill_bf16_dot,
+        "whether paged_prefill computes bf16 with the CPU's bf16 dot products");
   m.def("isa", &compiled_isa, "the instruction set this build's kernels use");
   m.def("rms_norm", &rms_norm, "RMSNorm in transformers' op order");
   m.def("add_rms_norm_", &add_rms_norm_,

@@ -17,10 +17,14 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            double softcap);
 
 // every prefill chunk of a step: q [T,H,D] (chunk c's rows are query_start[c]..query_start[c+1]),
-// its keys at positions 0..start_pos[c]+len-1 through block_tables[c], causal inside the chunk
+// its keys at positions 0..start_pos[c]+len-1 through block_tables[c], causal inside the chunk;
+// bf16_dot: bf16 takes AVX-512 bf16 dot products where the CPU has them (else widened to fp32)
 at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                          at::Tensor block_tables, at::Tensor query_start, at::Tensor start_pos,
-                         double scale, int64_t window, double softcap);
+                         double scale, int64_t window, double softcap, bool bf16_dot);
+
+// whether paged_prefill's bf16 takes bf16 dot products on this CPU with this build
+bool prefill_bf16_dot();
 
 // the decode path this build carries: "avx512", "avx2" or "portable"
 std::string compiled_isa();
