@@ -233,45 +233,6 @@ def test_decode_kernel_result_independent_of_batch_and_threads(isa):
     assert torch.equal(torch.cat(alone), outs[0])
 
 
-@pytest.mark.parametrize("kv_heads, group", [(1, 9), (3, 3), (8, 4)])
-@pytest.mark.parametrize("head_dim", [64, 128, 80])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("isa", ISAS)
-def test_decode_kernel_splits_kv_heads_when_sequences_are_fewer_than_threads(
-        kv_heads, group, head_dim, dtype, isa):
-    """With fewer sequences than threads, a sequence's KV heads are shared out between the
-    threads (a batch-1 decode no longer runs on one thread): every split (1, 2, 3 and 8
-    threads, one and two sequences) gives bit-identical outputs, equal to SDPA's; head_dim 80
-    is the generic path."""
-    kernel = get_backend("cpu", torch.device("cpu"), isa).kernel
-    gen = torch.Generator().manual_seed(kv_heads * 100 + head_dim)
-    heads = kv_heads * group
-    q, k_cache, v_cache, tables, ctx = _random_decode(gen, [77, 300], heads, kv_heads, head_dim,
-                                                      16, dtype)
-    threads = torch.get_num_threads()
-    try:
-        outs = {}
-        for n in (1, 2, 3, 8):
-            torch.set_num_threads(n)
-            for b in ((0,), (1,), (0, 1)):
-                idx = list(b)
-                outs[n, b] = kernel.paged_decode(q[idx], k_cache, v_cache, tables[idx], ctx[idx],
-                                                 head_dim**-0.5)
-    finally:
-        torch.set_num_threads(threads)
-    want = outs[1, (0, 1)]
-    for (_, b), out in outs.items():
-        assert torch.equal(out, want[list(b)])
-    for b, n in enumerate([77, 300]):
-        keys = k_cache[tables[b]].flatten(0, 1)[:n].float()
-        values = v_cache[tables[b]].flatten(0, 1)[:n].float()
-        ref = F.scaled_dot_product_attention(
-            q[b].float()[:, None, :], keys.repeat_interleave(group, 1).transpose(0, 1),
-            values.repeat_interleave(group, 1).transpose(0, 1), scale=head_dim**-0.5)[:, 0, :]
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(want[b].float(), ref, atol=tol, rtol=tol)
-
-
 @pytest.mark.parametrize("length", [1, 7, 300])
 def test_bf16_eager_prefill_matches_fp32_reference(length):
     from octavo.model.attention.torch_backend import eager_causal

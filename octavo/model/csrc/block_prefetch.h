@@ -14,49 +14,28 @@ namespace octavo {
 
 class BlockPrefetch {
  public:
-  // a whole block: block_bytes of K (and of V) from its start; slices: how many times some()
-  // is called per block
+  // block_bytes: one block of K (and of V); slices: how many times some() is called per block
   BlockPrefetch(int64_t block_bytes, int64_t slices)
-      : BlockPrefetch(1, block_bytes, 0, block_bytes, slices) {}
-
-  // part of a block (the KV heads one work item reads, paged_decode.cpp): `span` bytes from
-  // `offset` in each of its `rows` slots of row_bytes
-  BlockPrefetch(int64_t rows, int64_t row_bytes, int64_t offset, int64_t span, int64_t slices)
-      : row_bytes_(row_bytes),
-        first_(offset / 64 * 64),
-        per_row_((offset + span + 63) / 64 - offset / 64),
-        lines_(rows * per_row_),
+      : lines_((block_bytes + 63) / 64),
         per_slice_((2 * lines_ + slices - 1) / (slices > 0 ? slices : 1)) {}
 
   // the block to prefetch next: its K and V
   void start(const void* k, const void* v) {
-    k_ = static_cast<const char*>(k) + first_;
-    v_ = static_cast<const char*>(v) + first_;
-    cur_ = k_;
-    col_ = 0;
+    k_ = static_cast<const char*>(k);
+    v_ = static_cast<const char*>(v);
     next_ = 0;
   }
 
   // the next slice of that block's lines (nothing once it is all requested)
   void some() {
-    if (per_row_ == lines_) {  // one row: a whole block's K, then its V, line by line
-      for (int64_t i = 0; i < per_slice_ && next_ < 2 * lines_; ++i, ++next_)
-        __builtin_prefetch(next_ < lines_ ? k_ + 64 * next_ : v_ + 64 * (next_ - lines_), 0, 3);
-      return;
-    }
-    for (int64_t i = 0; i < per_slice_ && next_ < 2 * lines_; ++i) {
-      __builtin_prefetch(cur_ + 64 * col_, 0, 3);
-      if (++col_ == per_row_) col_ = 0, cur_ += row_bytes_;
-      if (++next_ == lines_) col_ = 0, cur_ = v_;  // K done: V's lines next
-    }
+    for (int64_t i = 0; i < per_slice_ && next_ < 2 * lines_; ++i, ++next_)
+      __builtin_prefetch(next_ < lines_ ? k_ + 64 * next_ : v_ + 64 * (next_ - lines_), 0, 3);
   }
 
  private:
-  int64_t row_bytes_, first_, per_row_, lines_, per_slice_;
+  int64_t lines_, per_slice_;
   const char* k_ = nullptr;
   const char* v_ = nullptr;
-  const char* cur_ = nullptr;
-  int64_t col_ = 0;
   int64_t next_ = 1 << 30;  // >= 2 * lines_: nothing pending
 };
 

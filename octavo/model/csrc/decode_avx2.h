@@ -11,7 +11,6 @@
 #include <c10/util/BFloat16.h>
 
 #include "block_prefetch.h"
-#include "kv_heads.h"
 
 #include <cmath>
 #include <cstdint>
@@ -70,27 +69,25 @@ inline float reduce_add8(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// One sequence's KV heads kv.begin..kv.end-1 (and their query heads): keys at table slots
-// lo..len-1. q: [num_heads, HD] already scaled, fp32. State per query head in m, l, acc.
-// softcap 0: none.
+// One sequence: keys at table slots lo..len-1. q: [num_heads, HD] already scaled, fp32. State
+// per query head in m, l, acc. softcap 0: none.
 template <typename T, int HD>
 void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                     int64_t lo, int64_t len, int64_t num_heads, int64_t num_kv_heads, KvHeads kv,
+                     int64_t lo, int64_t len, int64_t num_heads, int64_t num_kv_heads,
                      int64_t block_size, float softcap, float* m, float* l, float* acc, T* out) {
   constexpr int C = HD / 8;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * HD;
   const int64_t block_elems = block_size * row;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t h0 = kv.begin * group, h1 = kv.end * group;  // its query heads
-  for (int64_t h = h0; h < h1; ++h) m[h] = neg_inf, l[h] = 0.f;
-  for (int64_t i = h0 * HD; i < h1 * HD; ++i) acc[i] = 0.f;
+  for (int64_t h = 0; h < num_heads; ++h) m[h] = neg_inf, l[h] = 0.f;
+  for (int64_t i = 0; i < num_heads * HD; ++i) acc[i] = 0.f;
   alignas(32) float buf[8];
   const int64_t nblocks = (len + block_size - 1) / block_size;
   const int64_t j0 = lo / block_size;
   // the next block is prefetched a slice after each query head's scores (block_prefetch.h)
-  BlockPrefetch ahead = kv.prefetch<T>(block_size, num_kv_heads, HD,
-                                       (h1 - h0) * ((block_size + 7) / 8));
+  BlockPrefetch ahead(block_bytes, num_heads * ((block_size + 7) / 8));
   for (int64_t j = j0; j < nblocks; ++j) {
     if (j + 1 < nblocks)
       ahead.start(k_cache + table[j + 1] * block_elems, v_cache + table[j + 1] * block_elems);
@@ -99,7 +96,7 @@ void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const i
       const int n = static_cast<int>(std::min<int64_t>(8, block_len - t0));
       const T* kb = k_cache + table[j] * block_elems + t0 * row;
       const T* vb = v_cache + table[j] * block_elems + t0 * row;
-      for (int64_t kvh = kv.begin; kvh < kv.end; ++kvh) {
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         const T* kh = kb + kvh * HD;
         const T* vh = vb + kvh * HD;
         for (int64_t g = 0; g < group; ++g) {
@@ -145,7 +142,7 @@ void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const i
       }
     }
   }
-  for (int64_t head = h0; head < h1; ++head) {
+  for (int64_t head = 0; head < num_heads; ++head) {
     const float inv = 1.f / l[head];
     for (int i = 0; i < HD; ++i) store(out + head * HD + i, acc[head * HD + i] * inv);
   }

@@ -12,7 +12,6 @@
 #include <c10/util/BFloat16.h>
 
 #include "block_prefetch.h"
-#include "kv_heads.h"
 
 #include <cmath>
 #include <cstdint>
@@ -94,24 +93,23 @@ inline void accumulate_v(const T* vh, int64_t row, int n, const float (*p)[16], 
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(a[h] + 16 * c, av[h][c]);
 }
 
-// One sequence's KV heads kv.begin..kv.end-1 (and their query heads): keys at table slots
-// lo..len-1. q: [num_heads, HD] already scaled, fp32. State per query head in m, l, acc.
-// softcap 0: none.
+// One sequence: keys at table slots lo..len-1. q: [num_heads, HD] already scaled, fp32. State
+// per query head in m, l, acc. softcap 0: none.
 template <typename T, int HD>
 void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
                        int64_t lo, int64_t len, int64_t num_heads, int64_t num_kv_heads,
-                       KvHeads kv, int64_t block_size, float softcap, float* m, float* l,
-                       float* acc, T* out) {
+                       int64_t block_size, float softcap, float* m, float* l, float* acc,
+                       T* out) {
   constexpr int C = HD / 16;
   constexpr int HB = C >= 16 ? 1 : C >= 8 ? 2 : 4;  // heads per V pass: <= 16 accumulators
   constexpr int64_t kGroupBatch = 16;  // query heads of a KV head scored per pass
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * HD;
   const int64_t block_elems = block_size * row;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t h0 = kv.begin * group, h1 = kv.end * group;  // its query heads
-  for (int64_t h = h0; h < h1; ++h) m[h] = neg_inf, l[h] = 0.f;
-  for (int64_t i = h0 * HD; i < h1 * HD; ++i) acc[i] = 0.f;
+  for (int64_t h = 0; h < num_heads; ++h) m[h] = neg_inf, l[h] = 0.f;
+  for (int64_t i = 0; i < num_heads * HD; ++i) acc[i] = 0.f;
   alignas(64) float p_buf[kGroupBatch][16];
   const int64_t nblocks = (len + block_size - 1) / block_size;
   const int64_t j0 = lo / block_size;
@@ -119,8 +117,7 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
   // query head's scores (BlockPrefetch): issued as one burst at the start of a block, its
   // prefetches filled the miss queues and stalled the loads of the block being read (a step of
   // `mixed` read its K/V at 20 GB/s that way, 31 spread out; bf16 2.4x faster).
-  BlockPrefetch ahead = kv.prefetch<T>(block_size, num_kv_heads, HD,
-                                       (h1 - h0) * ((block_size + 15) / 16));
+  BlockPrefetch ahead(block_bytes, num_heads * ((block_size + 15) / 16));
   for (int64_t j = j0; j < nblocks; ++j) {
     if (j + 1 < nblocks)
       ahead.start(k_cache + table[j + 1] * block_elems, v_cache + table[j + 1] * block_elems);
@@ -130,7 +127,7 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
       const T* kb = k_cache + table[j] * block_elems + t0 * row;
       const T* vb = v_cache + table[j] * block_elems + t0 * row;
-      for (int64_t kvh = kv.begin; kvh < kv.end; ++kvh) {
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         const T* kh = kb + kvh * HD;
         const T* vh = vb + kvh * HD;
         for (int64_t g0 = 0; g0 < group; g0 += kGroupBatch) {
@@ -184,7 +181,7 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
       }
     }
   }
-  for (int64_t head = h0; head < h1; ++head) {
+  for (int64_t head = 0; head < num_heads; ++head) {
     const float inv = 1.f / l[head];
     for (int i = 0; i < HD; ++i) store(out + head * HD + i, acc[head * HD + i] * inv);
   }

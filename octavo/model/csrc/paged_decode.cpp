@@ -1,7 +1,6 @@
 // Paged attention for single-token decode on CPU.
 //
-// One work item per sequence (per range of its KV heads when a step has fewer sequences than
-// threads, kv_heads.h). It walks the sequence's block table once; each block holds
+// One work item per sequence. It walks the sequence's block table once; each block holds
 // [block_size, num_kv_heads, head_dim] contiguous K (and V) rows, so a block is one sequential
 // read, and the next block is prefetched, a slice at a time, while this one is used (blocks sit
 // anywhere in the pool, which the hardware prefetcher cannot guess; block_prefetch.h). Threads
@@ -20,7 +19,6 @@
 #include <ATen/Parallel.h>
 
 #include "block_prefetch.h"
-#include "kv_heads.h"
 #include "ops.h"
 #include "vec_math.h"
 #include "decode_avx2.h"
@@ -32,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -53,46 +52,32 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim;  // elements between slots in the cache
   const int64_t block_elems = block_size * row;
-  // Work items go to the threads longest first, each thread taking the next one when it is done
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
+  // Sequences go to the threads longest first, each thread taking the next one when it is done
   // (a static split gave one thread 27% more keys than the other on `mixed`); which thread
-  // computes an item changes nothing in its result. An item is a sequence, or where there are
-  // fewer sequences than threads, a range of its KV heads (kv_heads.h).
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts =
-      num_seqs >= threads ? 1 : std::min(num_kv_heads, (threads + num_seqs - 1) / num_seqs);
-  struct Item {
-    int64_t seq;
-    octavo::KvHeads kv;
-  };
-  std::vector<Item> items;
-  items.reserve(num_seqs * parts);
-  for (int64_t b = 0; b < num_seqs; ++b)
-    for (int64_t p = 0; p < parts; ++p)
-      items.push_back({b, {p * num_kv_heads / parts, (p + 1) * num_kv_heads / parts}});
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return context_lens[a.seq] * (a.kv.end - a.kv.begin) >
-           context_lens[b.seq] * (b.kv.end - b.kv.begin);
+  // computes a sequence changes nothing in its result.
+  std::vector<int64_t> order(num_seqs);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return context_lens[a] > context_lens[b];
   });
-  const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min(threads, num_items));
+  const int64_t workers =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // per query head: q (scaled), running max, running sum, accumulator; per block: scores
     std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim);
     std::vector<float> mx(num_heads), sum(num_heads), scores(num_heads * block_size);
     std::vector<float> kbuf(head_dim), vbuf(head_dim);
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-      const int64_t b = items[i].seq;
-      const octavo::KvHeads kv = items[i].kv;
-      const int64_t h0 = kv.begin * group, h1 = kv.end * group;  // its query heads
+    for (int64_t i = next.fetch_add(1); i < num_seqs; i = next.fetch_add(1)) {
+      const int64_t b = order[i];
       // keys are read from table slot lo to len (both relative to the table's first slot)
       const int64_t fp = first_pos ? first_pos[b] : 0;
       const int64_t len = context_lens[b] - fp;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t* table = block_tables + b * table_width;
       const T* qb = q + b * num_heads * head_dim;
-      for (int64_t e = h0 * head_dim; e < h1 * head_dim; ++e)
-        qf[e] = static_cast<float>(qb[e]) * scale;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
 #if defined(OCTAVO_HAVE_AVX512_DECODE) || defined(OCTAVO_HAVE_AVX2_DECODE)
       if constexpr (HD != 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
 #ifdef OCTAVO_HAVE_AVX512_DECODE
@@ -100,17 +85,16 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 #else
         octavo::decode_seq_avx2<T, HD>(
 #endif
-            qf.data(), k_cache, v_cache, table, lo, len, num_heads, num_kv_heads, kv, block_size,
+            qf.data(), k_cache, v_cache, table, lo, len, num_heads, num_kv_heads, block_size,
             softcap, mx.data(), sum.data(), acc.data(), out + b * num_heads * head_dim);
         continue;
       }
 #endif
-      std::fill(acc.begin() + h0 * head_dim, acc.begin() + h1 * head_dim, 0.f);
-      std::fill(mx.begin() + h0, mx.begin() + h1, -std::numeric_limits<float>::infinity());
-      std::fill(sum.begin() + h0, sum.begin() + h1, 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.end(), 0.f);
       const int64_t nblocks = (len + block_size - 1) / block_size;
-      // a slice per head's softmax
-      octavo::BlockPrefetch ahead = kv.prefetch<T>(block_size, num_kv_heads, head_dim, h1 - h0);
+      octavo::BlockPrefetch ahead(block_bytes, num_heads);  // a slice per head's softmax
       for (int64_t j = lo / block_size; j < nblocks; ++j) {
         const T* kb = k_cache + table[j] * block_elems;
         const T* vb = v_cache + table[j] * block_elems;
@@ -120,7 +104,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         const int64_t n = std::min(block_size, len - j * block_size);
         // scores[head][t] = q_head . k_t
         for (int64_t t = t_lo; t < n; ++t) {
-          for (int64_t h = kv.begin; h < kv.end; ++h) {
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
             const float* kr = as_float(kb + t * row + h * head_dim, kbuf.data(), head_dim);
             for (int64_t g = 0; g < group; ++g) {
               const int64_t head = h * group + g;
@@ -133,7 +117,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           }
         }
         // online softmax: raise the running max, rescale, exponentiate this block's scores
-        for (int64_t head = h0; head < h1; ++head) {
+        for (int64_t head = 0; head < num_heads; ++head) {
           ahead.some();
           float* sh = scores.data() + head * block_size;
           float m = mx[head];
@@ -156,7 +140,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         }
         // acc[head] += p[head][t] * v_t
         for (int64_t t = t_lo; t < n; ++t) {
-          for (int64_t h = kv.begin; h < kv.end; ++h) {
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
             const float* vr = as_float(vb + t * row + h * head_dim, vbuf.data(), head_dim);
             for (int64_t g = 0; g < group; ++g) {
               const int64_t head = h * group + g;
@@ -169,7 +153,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         }
       }
       T* ob = out + b * num_heads * head_dim;
-      for (int64_t head = h0; head < h1; ++head) {
+      for (int64_t head = 0; head < num_heads; ++head) {
         const float inv = 1.f / sum[head];
         for (int64_t d = 0; d < head_dim; ++d)
           store(ob + head * head_dim + d, acc[head * head_dim + d] * inv);
