@@ -294,7 +294,8 @@ class ModelRunner:
         else:
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache,
                                 inputs.metas, self.backend, logit_idx)
-        sampled = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        sampled = logits if sample_rows == list(range(len(wanted))) else \
+            logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         return StepLogits(sample=sampled,
                           prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows},
                           plan=plan)
@@ -348,7 +349,9 @@ class ModelRunner:
                 [s.num_prompt_tokens for s in states], self.config.vocab_size,
                 indices=[s.index for s in states], device=self.device, grammar=grammar,
             )
-            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            sample = logits.sample  # its rows as they are, unless some are not sampled
+            if rows != list(range(len(sample))):
+                sample = sample[torch.tensor(rows, dtype=torch.long, device=self.device)]
             custom = None
             procs = self.logits_processors
             if procs:
@@ -358,7 +361,7 @@ class ModelRunner:
 
                 def custom(x: torch.Tensor) -> torch.Tensor:
                     return procs.apply(x, meta.all_greedy)
-            result = self.sampler(logits.sample[index], meta, custom)
+            result = self.sampler(sample, meta, custom)
             if procs:
                 procs.record(seq_ids, result.sampled_token_ids)
             tokens_of, logprobs_of = result.sampled_token_ids, result.logprobs

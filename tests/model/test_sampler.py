@@ -44,11 +44,20 @@ def test_greedy_is_argmax_with_lowest_index_ties():
     assert out.logprobs == [None] * 6
 
 
-def test_input_logits_not_modified():
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3),
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1),  # read-only: no copy
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, logit_bias={3: 5.0}),
+    SamplingParams(temperature=0.0, allowed_token_ids=[1, 4, 9]),
+    SamplingParams(temperature=0.9, min_tokens=4, stop_token_ids=[2]),
+], ids=["penalties", "top-k-p-min-p", "greedy", "bias", "allowed", "min-tokens-ban"])
+def test_input_logits_not_modified(params):
+    """The sampler copies the logits only where a step works in place; either way the
+    caller's logits are untouched."""
     logits = rand_logits(3)
     before = logits.clone()
-    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3)] * 3
-    sampler(logits, batch(params, outputs=[[1, 2], [3], []]))
+    sampler(logits, batch([params] * 3, outputs=[[1, 2], [3], []], eos=2))
     assert torch.equal(logits, before)
 
 
