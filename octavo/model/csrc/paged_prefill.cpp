@@ -73,15 +73,15 @@ void run_item(const Item& w, const T* q, const T* k_cache, const T* v_cache,
     }
     const bool masked = tile_masked(g, s, k0, n);
     for (int64_t v = 0; v < g.nvec; ++v) {
-      Vec acc[KB], sv[KB];  // the sums stay in registers; sv, whose address the softmax takes,
-                            // would be stored back at every d
-      for (int t = 0; t < KB; ++t) acc[t] = Vec::zero();
+      Vec dots[KB], sv[KB];  // the sums stay in registers; sv, whose address the softmax
+                             // takes, would be stored back at every d
+      for (int t = 0; t < KB; ++t) dots[t] = Vec::zero();
       for (int64_t d = 0; d < D; ++d) {
         const Vec qv = Vec::load(qt + d * rp + v * L);
 #pragma GCC unroll 16
-        for (int t = 0; t < KB; ++t) acc[t] = fma(Vec::set1(kp[t][d]), qv, acc[t]);
+        for (int t = 0; t < KB; ++t) dots[t] = fma(Vec::set1(kp[t][d]), qv, dots[t]);
       }
-      for (int t = 0; t < KB; ++t) sv[t] = acc[t];
+      for (int t = 0; t < KB; ++t) sv[t] = dots[t];
       const Vec f = softmax_tile(sv, n, k0, masked, v, s, sc);
       for (int64_t d0 = 0; d0 < D; d0 += DB) {
         Vec acc[DB];
