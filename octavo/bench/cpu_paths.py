@@ -43,6 +43,7 @@ from octavo.bench.options import BenchOptions
 from octavo.config import ModelConfig
 from octavo.model.attention import get_backend
 from octavo.model.attention.base import AttentionMetadata, PrefillChunk
+from octavo.model.attention.cpu_backend import CpuPagedAttentionBackend
 from octavo.model.cpu_isa import supported_isas
 from octavo.model.loader import resolve_model_dir
 
@@ -145,10 +146,9 @@ def prefill_paths(dtype: torch.dtype) -> list[tuple[str, Any]]:
     for isa in supported_isas():
         backend = get_backend("cpu", torch.device("cpu"), isa)
         if dtype == torch.bfloat16 and backend.kernel.prefill_bf16_dot():
-            widened = get_backend("cpu", torch.device("cpu"), isa)
-            widened.bf16_dot = False
             paths += [(f"kernel {isa} (bf16 dot products)", backend),
-                      (f"kernel {isa} (widened to fp32)", widened)]
+                      (f"kernel {isa} (widened to fp32)",
+                       CpuPagedAttentionBackend(backend.kernel, bf16_dot=False))]
         else:
             paths.append((f"kernel {isa}", backend))
     return paths
@@ -158,6 +158,7 @@ def prefill_attention_rows(cfg: ModelConfig, repeats: int) -> list[dict]:
     heads, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     gen = torch.Generator().manual_seed(0)
     rows = []
+    paths = {dtype: prefill_paths(dtype) for dtype in (torch.float32, torch.bfloat16)}
     for step, chunks in PREFILL_STEPS.items():
         nblocks = [-(-(c + n) // BLOCK) for c, n in chunks]
         perm = torch.randperm(sum(nblocks), generator=gen).tolist()
@@ -167,12 +168,12 @@ def prefill_attention_rows(cfg: ModelConfig, repeats: int) -> list[dict]:
             slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, cached + new)]
             prefills.append(PrefillChunk(row, row + new, cached, torch.tensor(table)))
             row += new
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, dtype_paths in paths.items():
             k_cache = torch.randn(sum(nblocks), BLOCK, kvh, hd, generator=gen).to(dtype)
             v_cache = torch.randn_like(k_cache)
             qkv = torch.randn(row, heads + 2 * kvh, hd, generator=gen).to(dtype)
             q, k, v = qkv.split([heads, kvh, kvh], dim=1)  # strided views, as in the model
-            for label, backend in prefill_paths(dtype):
+            for label, backend in dtype_paths:
                 meta = AttentionMetadata(torch.tensor(slots), 0, None, None, prefills)
                 ms = call_ms(backend.forward, (q, k, v, k_cache, v_cache, meta, hd**-0.5),
                              repeats, 5)

@@ -97,6 +97,18 @@ void run_item(const Item& w, const T* q, const T* k_cache, const T* v_cache,
   finish_rows(g, w, out, sc);
 }
 
+// every item through `run`, handed out in order (longest first) to the threads as they free up
+template <typename F>
+void run_items(const std::vector<Item>& items, int64_t rows_padded, int64_t head_dim, F&& run) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch sc(rows_padded, head_dim);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) run(items[i], sc);
+  });
+}
+
 }  // namespace
 
 at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -141,21 +153,16 @@ at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const Shape shape{q.stride(0), H, KVH, D, BS, block_tables.size(1), static_cast<float>(scale), window,
                     static_cast<float>(softcap)};
   const int64_t rows_padded = (kQueryTile * group + L - 1) / L * L;
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  std::atomic<int64_t> next{0};
 #if defined(__AVX512F__)
   if (bf16_dot && q.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot()) {
     const auto bits = [](const at::Tensor& t) {
       return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
     };
-    at::BFloat16* op = out.data_ptr<at::BFloat16>();
+    const uint16_t *qp = bits(q), *kc = bits(k_cache), *vc = bits(v_cache);
     const int64_t* bt = block_tables.data_ptr<int64_t>();
-    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      Scratch sc(rows_padded, D);
-      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
-        run_item_bf16_dot(items[i], bits(q), bits(k_cache), bits(v_cache), bt, qs, sp, op, shape,
-                          sc);
+    at::BFloat16* op = out.data_ptr<at::BFloat16>();
+    run_items(items, rows_padded, D, [&](const Item& w, Scratch& sc) {
+      run_item_bf16_dot(w, qp, kc, vc, bt, qs, sp, op, shape, sc);
     });
     return out;
   }
@@ -166,10 +173,8 @@ at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const int64_t* bt = block_tables.data_ptr<int64_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      Scratch sc(rows_padded, D);
-      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
-        run_item<scalar_t>(items[i], qp, kc, vc, bt, qs, sp, op, shape, sc);
+    run_items(items, rows_padded, D, [&](const Item& w, Scratch& sc) {
+      run_item<scalar_t>(w, qp, kc, vc, bt, qs, sp, op, shape, sc);
     });
   });
   return out;
