@@ -38,7 +38,8 @@ from octavo.model.loader import cache_dir
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
-           "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp", "int8_gemv.cpp")
+           "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp", "int8_gemv.cpp",
+           "packed_gemv.cpp")
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 

@@ -32,12 +32,13 @@ BLOCK, ONEDNN, INT8, PLAIN = 0, 1, 2, 3
 
 
 def _linear_spec(m: nn.Module) -> tuple | None:
-    """(type, tensors, bias, kind, group, int8_activations) for the C++ loop, or None."""
+    """(type, tensors, bias, kind, group, int8_activations[, packed_gemv's arguments]) for the
+    C++ loop, or None."""
     if isinstance(m, BlockQuantLinear) and m.ops is not None:
         tensors = [m.q, m.scale] + ([m.mins] if m.mins is not None else [])
         return (BLOCK, tensors, m.bias, m.fmt.kind, m.fmt.group, m.fmt.int8_activations)
     if isinstance(m, PackedLinear):
-        return (ONEDNN, [m.packed], m.bias, 0, 0, False)
+        return (ONEDNN, [m.packed], m.bias, 0, 0, False, m.gemv_args())
     if isinstance(m, Int8Linear) and m.ops is not None:
         return (INT8, [m.weight_q, m.weight_scale], m.bias, 0, 0, False)
     if type(m) is nn.Linear:

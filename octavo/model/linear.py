@@ -8,12 +8,22 @@ the model's shapes, and up to 1.6x in bf16 for small decode batches; see BENCHMA
 `pack_linears(model)` swaps every `nn.Linear` for a `PackedLinear` after the weights are loaded
 and cast. Each packed layer is checked against `F.linear` on a random batch first; any failure
 (no oneDNN, an unsupported dtype) keeps the plain layer. OCTAVO_LINEAR=torch turns it off.
+
+Decode-sized batches (up to `ops.packed_gemv_max_rows()` rows: 6 with AVX-512, 4 with AVX2)
+skip oneDNN's per-call set-up: octavo's `packed_gemv` (csrc/packed_gemv.cpp) reads the same
+packed buffer in place. Its layout is oneDNN's internal choice, so `gemv_layout` checks it for
+every shape and dtype by packing matrices that encode each weight's coordinates and comparing
+the buffer with the layout packed_gemv reads; any other layout (another oneDNN version or CPU)
+keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns it off (the benchmarks' A/B).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +47,111 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.dtype = weight.dtype
 
+        # packed_gemv for up to gemv_rows rows (use_gemv); 0: oneDNN for every batch
+        self.ops: Any = None
+        self.gemv_rows = 0
+        self.k_padded = 0
+        self.weight_ptr = 0
+
+    def use_gemv(self, ops: Any) -> bool:
+        """Let `ops.packed_gemv` compute batches of up to its max rows where it reads this
+        layer's packed layout (checked, see gemv_layout); returns whether it does."""
+        self.ops, self.gemv_rows = None, 0
+        if (ops is None or not hasattr(ops, "packed_gemv")
+                or os.environ.get(GEMV_ENV_VAR, "1") == "0"
+                or not ops.packed_gemv_supports(self.dtype) or ops.packed_gemv_max_rows() < 1):
+            return False
+        k_padded = gemv_layout(self.out_features, self.in_features, self.dtype)
+        if k_padded is None:
+            return False
+        self.ops, self.k_padded = ops, k_padded
+        self.weight_ptr = torch.ops.mkldnn.data_ptr(self.packed)
+        self.gemv_rows = ops.packed_gemv_max_rows()
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(2, self.in_features, generator=gen).to(self.dtype)
+        with torch.inference_mode():
+            want = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            got = self.forward(x)
+        tol = _CHECK_TOL[self.dtype] * max(1.0, want.float().abs().max().item())
+        if (got.float() - want.float()).abs().max().item() > tol:
+            logger.warning("packed_gemv disagrees with oneDNN on a [%d, %d] layer; using oneDNN",
+                           self.out_features, self.in_features)
+            self.ops, self.gemv_rows = None, 0
+        return self.gemv_rows > 0
+
+    def gemv_args(self) -> tuple[int, int, int, int]:
+        """(weight pointer, N, Kp, rows) for the C++ decode loop's packed_gemv calls."""
+        if not self.gemv_rows:
+            return (0, 0, 0, 0)
+        return (self.weight_ptr, self.out_features, self.k_padded, self.gemv_rows)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] <= self.gemv_rows and x.dim() == 2:
+            return self.ops.packed_gemv(x, self.weight_ptr, self.out_features, self.k_padded,
+                                        self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        gemv = f", packed_gemv up to {self.gemv_rows} rows" if self.gemv_rows else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"onednn{gemv}")
+
+
+GEMV_ENV_VAR = "OCTAVO_PACKED_GEMV"
+GEMV_BLOCK = 64  # outputs per block of the layout packed_gemv reads
+
+
+def _packed_view(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """oneDNN's packed buffer as a flat tensor of `dtype` (no copy; `packed` must outlive it)."""
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    buf = (ctypes.c_byte * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    return torch.frombuffer(buf, dtype=dtype)
+
+
+def gemv_layout_of(n: int, k: int, k_padded: int, dtype: torch.dtype,
+                   plain: torch.Tensor) -> torch.Tensor:
+    """`plain` [n, k] laid out as packed_gemv reads it: fp32 [ceil(n/64)][Kp][64], bf16
+    [ceil(n/64)][Kp/2][64][2], zeros in the padding."""
+    blocks = -(-n // GEMV_BLOCK)
+    padded = torch.zeros(blocks * GEMV_BLOCK, k_padded, dtype=plain.dtype)
+    padded[:n, :k] = plain
+    if dtype == torch.bfloat16:
+        return padded.view(blocks, GEMV_BLOCK, k_padded // 2, 2).permute(0, 2, 1, 3).flatten()
+    return padded.view(blocks, GEMV_BLOCK, k_padded).permute(0, 2, 1).flatten()
+
+
+@cache
+def gemv_layout(n: int, k: int, dtype: torch.dtype) -> int | None:
+    """Kp where oneDNN packs an [n, k] weight of `dtype` in packed_gemv's layout, else None.
+
+    Checked, not assumed: matrices whose entries encode their row (and then their column)
+    index, digit by digit in a base the dtype holds exactly, are packed by oneDNN and compared
+    with gemv_layout_of the same matrices."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    blocks = -(-n // GEMV_BLOCK)
+    esize = torch.empty((), dtype=dtype).element_size()
+    try:
+        nbytes = torch.ops.mkldnn._nbytes(torch.ops.mkldnn._reorder_linear_weight(
+            torch.zeros(n, k, dtype=dtype)))
+    except (RuntimeError, AttributeError):
+        return None
+    k_padded, rest = divmod(nbytes, blocks * GEMV_BLOCK * esize)
+    if rest or k_padded < k or (dtype == torch.bfloat16 and k_padded % 2):
+        return None
+    base = 255 if dtype == torch.bfloat16 else 2**23  # digits + 1 are exact in the dtype
+    for index in (torch.arange(n)[:, None].expand(n, k), torch.arange(k)[None, :].expand(n, k)):
+        rest_index = index.clone()
+        while True:
+            digit = (rest_index % base + 1).to(dtype)  # + 1: the padding's zeros differ
+            packed = torch.ops.mkldnn._reorder_linear_weight(digit.contiguous())
+            if not torch.equal(_packed_view(packed, dtype),
+                               gemv_layout_of(n, k, k_padded, dtype, digit)):
+                return None
+            rest_index = rest_index // base
+            if not bool(rest_index.any()):
+                break
+    return k_padded
 
 
 def onednn_usable(dtype: torch.dtype) -> bool:

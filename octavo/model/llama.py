@@ -19,6 +19,7 @@ from octavo.config import ModelConfig
 from octavo.model.attention.base import AttentionBackend, AttentionMetadata
 from octavo.model.kv_cache import KVCache
 from octavo.model.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from octavo.model.linear import PackedLinear
 
 Take = Callable[[str], torch.Tensor]
 Put = Callable[[str, torch.Tensor], None]
@@ -77,10 +78,13 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.norm(h)).float()
 
     def use_cpu_ops(self, ops: Any) -> None:
-        """Route RMSNorm, RoPE and SiLU-and-mul through the compiled CPU ops (None: torch)."""
+        """Route RMSNorm, RoPE and SiLU-and-mul through the compiled CPU ops (None: torch),
+        and decode-sized batches of oneDNN-packed linear layers through their packed_gemv."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
+            elif isinstance(module, PackedLinear):
+                module.use_gemv(ops)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load an HF Llama checkpoint's tensors, fusing q/k/v and gate/up."""

@@ -166,8 +166,8 @@ class ModelRunner:
     def kernel_path(self) -> dict[str, str]:
         """Which kernels this runner took (benchmarks record it next to the CPU's flags):
         the ISA of octavo's compiled ops (cpu_isa.py; "none" where none run), the dtype asked
-        for and the one computed in, and whether prefill attention takes the CPU's bf16 dot
-        products."""
+        for and the one computed in, whether prefill attention takes the CPU's bf16 dot
+        products, and up to how many rows oneDNN-packed linear layers run octavo's GEMV."""
         modules = list(self.model.modules())
         kinds = [name for name, cls in (("onednn", PackedLinear), ("int8", Int8Linear),
                                         ("blocks", BlockQuantLinear))
@@ -179,11 +179,13 @@ class ModelRunner:
         kernel = getattr(self.backend, "kernel", None)
         bf16_dot = (self.dtype == torch.bfloat16 and hasattr(kernel, "prefill_bf16_dot")
                     and kernel.prefill_bf16_dot())
+        gemv = max((m.gemv_rows for m in modules if isinstance(m, PackedLinear)), default=0)
         return {"device": str(self.device), "dtype": self.dtype_choice.name,
                 "dtype_requested": self.args.dtype,
                 "isa": self.isa if compiled else "none",
                 "attention": type(self.backend).__name__, "linear": linear, "fused_ops": fused,
                 "prefill_bf16_dot": bool(bf16_dot),
+                "decode_gemv": f"packed_gemv <= {gemv} rows" if gemv else "off",
                 "decode_loop": "c++" if self.model.decode_stack is not None else "python",
                 "cuda_graphs": "off" if self.graphs is None else
                 f"decode batches <= {self.graphs.buckets[-1]}",

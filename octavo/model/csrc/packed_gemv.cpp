@@ -1,0 +1,224 @@
+// Decode-sized linear layers read straight from oneDNN's packed weights (linear.py's
+// PackedLinear): at a few rows a linear layer is a stream over its weights, and a call into
+// oneDNN through torch costs more set-up than that stream needs (primitive lookup, memory
+// descriptors, allocations: a tenth of a batch-1 step, BENCHMARKS.md section 8). This kernel
+// reads the same buffer, so the weights stay in memory once.
+//
+// The layout (oneDNN's brgemm blocking for these shapes; linear.py checks it for every shape
+// and dtype before a layer uses this kernel, and keeps oneDNN wherever it differs):
+//   fp32: [ceil(N/64)][Kp][64]        weight (n, k) at ((n/64) * Kp + k) * 64 + n%64
+//   bf16: [ceil(N/64)][Kp/2][64][2]   weight (n, k) at ((n/64) * Kp + k - k%2) * 64 + 2*(n%64) + k%2
+// with Kp >= K (padding holds zeros). Each block of 64 outputs is a contiguous run of Kp rows of
+// 64 weights: its outputs stay in registers while x's values are broadcast, one row at a time.
+//
+// Work items are (block, K chunk); the chunks are fixed by the shape alone (never by the thread
+// count), and their partial sums are added in chunk order, so a row's result does not depend on
+// the threads or on the other rows of the batch.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "vec_traits.h"
+
+namespace {
+
+using octavo::Vec;
+constexpr int64_t kBlock = 64;  // outputs per block of the packed layout
+// the cache lines 4 KB ahead of a block's current row are requested from memory: measured
+// 1.1-1.2x at 2-6 rows over the hardware prefetcher alone, the same at one row
+constexpr int64_t kAhead = 16;
+
+#if defined(__AVX512F__)
+constexpr int64_t kMaxRows = 6;  // 6 rows x 4 accumulators + 6 broadcasts + 1 load of 32 zmm
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kMaxRows = 3;  // 16 ymm: items of 32-64 columns (cols_per_item); 4 rows in
+                                 // 16 columns lost to oneDNN
+#else
+constexpr int64_t kMaxRows = 0;  // the portable build leaves linear layers to oneDNN
+#endif
+
+// columns of a block one item computes for m rows: registers hold m x cols accumulators
+constexpr int64_t cols_per_item(int64_t m) {
+  return Vec::L == 16 || m == 1 ? 64 : m <= 3 ? 32 : 16;
+}
+
+// The K chunks of a layer: one chunk where there are blocks enough to spread over the threads,
+// else chunks of about 128 rows (a multiple of 16, dividing K's 16-row units evenly), so that
+// a layer of a few blocks still keeps every thread busy.
+int64_t chunk_rows(int64_t n_blocks, int64_t k) {
+  const int64_t units = (k + 15) / 16;
+  if (n_blocks >= 64 || units <= 8) return units * 16;
+  int64_t chunks = (units + 7) / 8;
+  while (units % chunks) ++chunks;
+  return units / chunks * 16;
+}
+
+// rows m0..m0+M-1 of x (fp32, row stride ldx) times columns c0..c0+C-1 of one block, over K rows
+// i0..i1-1 (w: the block's first row), into part (row stride ldp) at the block's column c0
+template <int M, int C>
+void fp32_item(const float* w, const float* x, int64_t ldx, int64_t i0, int64_t i1, int64_t c0,
+               float* part, int64_t ldp) {
+  constexpr int V = C / Vec::L;
+  Vec acc[M][V];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = Vec::zero();
+  const float* wr = w + i0 * kBlock + c0;
+  for (int64_t i = i0; i < i1; ++i, wr += kBlock) {
+    for (int c = 0; c < C; c += 16) __builtin_prefetch(wr + kAhead * kBlock + c, 0, 3);
+    Vec xb[M];
+    for (int m = 0; m < M; ++m) xb[m] = Vec::set1(x[m * ldx + i]);
+    for (int v = 0; v < V; ++v) {
+      const Vec wv = Vec::load(wr + v * Vec::L);
+      for (int m = 0; m < M; ++m) acc[m][v] = fma(wv, xb[m], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v].store(part + m * ldp + c0 + v * Vec::L);
+}
+
+template <int M>
+void fp32_rows(const float* w, const float* x, int64_t ldx, int64_t i0, int64_t i1, int64_t c0,
+               float* part, int64_t ldp) {
+  fp32_item<M, cols_per_item(M)>(w, x, ldx, i0, i1, c0, part, ldp);
+}
+
+#if defined(__AVX512F__)
+inline bool cpu_has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
+
+// bf16: x2 holds each row's values as (x[2p], x[2p+1]) pairs (Kp/2 words per row); a pair of
+// weight rows of a block is 4 zmm of (w[2p][n], w[2p+1][n]), and vdpbf16ps adds both products
+template <int M>
+__attribute__((target("avx512bf16"))) void bf16_item(const uint16_t* w, const uint32_t* x2,
+                                                     int64_t ldx2, int64_t p0, int64_t p1,
+                                                     float* part, int64_t ldp) {
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+  const uint16_t* wr = w + p0 * 2 * kBlock;
+  for (int64_t p = p0; p < p1; ++p, wr += 2 * kBlock) {
+    for (int c = 0; c < 2 * kBlock; c += 32) __builtin_prefetch(wr + kAhead * kBlock + c, 0, 3);
+    __m512bh xb[M];
+    for (int m = 0; m < M; ++m)
+      xb[m] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x2[m * ldx2 + p]));
+    for (int v = 0; v < 4; ++v) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + v * 32);
+      for (int m = 0; m < M; ++m) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb[m], wv);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(part + m * ldp + v * 16, acc[m][v]);
+}
+#endif
+
+template <class F>
+void by_rows(int64_t m, F&& f) {
+  switch (m) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+}  // namespace
+
+int64_t packed_gemv_max_rows() { return kMaxRows; }
+
+bool packed_gemv_supports(at::ScalarType dtype) {
+  if (dtype == at::kFloat) return kMaxRows > 0;
+#if defined(__AVX512F__)
+  if (dtype == at::kBFloat16) return cpu_has_bf16_dot();
+#endif
+  return false;
+}
+
+at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_padded,
+                       c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "packed_gemv: x must be [rows, K], got ", x.sizes());
+  TORCH_CHECK(packed_gemv_supports(x.scalar_type()), "packed_gemv: ", x.scalar_type(),
+              " is not computed by this build on this CPU");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(rows >= 1 && rows <= 6, "packed_gemv: 1 to 6 rows, got ", rows);
+  TORCH_CHECK(weight_ptr != 0 && n > 0 && k_padded >= k, "packed_gemv: bad weight geometry");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!bf16 || k_padded % 2 == 0, "packed_gemv: bf16 rows come in pairs");
+  if (bias) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type(),
+                "packed_gemv: bias must be [N] in x's dtype");
+  }
+  x = x.contiguous();
+  const int64_t n_blocks = (n + kBlock - 1) / kBlock, width = n_blocks * kBlock;
+  const int64_t chunk = chunk_rows(n_blocks, k), n_chunks = (k + chunk - 1) / chunk;
+  // partial sums [chunk][row][width]
+  std::vector<float> part(static_cast<size_t>(n_chunks * rows * width));
+  float* P = part.data();
+  const int64_t cols = bf16 ? kBlock : cols_per_item(rows), parts = kBlock / cols;
+  const int64_t items = n_blocks * n_chunks * parts;
+  if (!bf16) {
+    const float* W = reinterpret_cast<const float*>(weight_ptr);
+    const float* X = x.data_ptr<float>();
+    by_rows(rows, [&](auto mr) {
+      constexpr int M = decltype(mr)::value;
+      at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t it = begin; it < end; ++it) {
+          const int64_t b = it / (n_chunks * parts), c = it / parts % n_chunks, q = it % parts;
+          const int64_t i0 = c * chunk, i1 = std::min(k, i0 + chunk);
+          fp32_rows<M>(W + b * k_padded * kBlock, X, k, i0, i1, q * cols,
+                       P + c * rows * width + b * kBlock, width);
+        }
+      });
+    });
+  }
+#if defined(__AVX512F__)
+  else {
+    // x as bf16 pairs, zero-padded to Kp (an odd K's last pair)
+    const int64_t pairs = k_padded / 2;
+    std::vector<uint32_t> x2(static_cast<size_t>(rows * pairs), 0u);
+    for (int64_t m = 0; m < rows; ++m)
+      std::memcpy(reinterpret_cast<uint16_t*>(x2.data() + m * pairs),
+                  x.data_ptr<at::BFloat16>() + m * k, k * sizeof(uint16_t));
+    const uint16_t* W = reinterpret_cast<const uint16_t*>(weight_ptr);
+    const int64_t kk = (k + 1) / 2 * 2;  // K rounded up to whole pairs
+    by_rows(rows, [&](auto mr) {
+      constexpr int M = decltype(mr)::value;
+      at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t it = begin; it < end; ++it) {
+          const int64_t b = it / n_chunks, c = it % n_chunks;
+          const int64_t i0 = c * chunk, i1 = std::min(kk, i0 + chunk);
+          bf16_item<M>(W + b * k_padded * kBlock, x2.data(), pairs, i0 / 2, i1 / 2,
+                       P + c * rows * width + b * kBlock, width);
+        }
+      });
+    });
+  }
+#endif
+  // out = the chunks' sums in chunk order (+ bias), in x's dtype
+  auto out = at::empty({rows, n}, x.options());
+  at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* B = bias ? b32.data_ptr<float>() : nullptr;
+  for (int64_t m = 0; m < rows; ++m) {
+    float* s = P + m * width;
+    for (int64_t c = 1; c < n_chunks; ++c) {
+      const float* t = P + (c * rows + m) * width;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) s[j] += t[j];
+    }
+    if (bias) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) s[j] += B[j];
+    }
+    if (bf16) {
+      at::BFloat16* o = out.data_ptr<at::BFloat16>() + m * n;
+      for (int64_t j = 0; j < n; ++j) o[j] = at::BFloat16(s[j]);
+    } else {
+      std::memcpy(out.data_ptr<float>() + m * n, s, n * sizeof(float));
+    }
+  }
+  return out;
+}
