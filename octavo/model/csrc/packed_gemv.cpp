@@ -155,9 +155,18 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
   x = x.contiguous();
   const int64_t n_blocks = (n + kBlock - 1) / kBlock, width = n_blocks * kBlock;
   const int64_t chunk = chunk_rows(n_blocks, k), n_chunks = (k + chunk - 1) / chunk;
-  // partial sums [chunk][row][width]
-  std::vector<float> part(static_cast<size_t>(n_chunks * rows * width));
-  float* P = part.data();
+  auto out = at::empty({rows, n}, x.options());
+  // partial sums [chunk][row][width]: chunk 0's straight into out where that is fp32 of whole
+  // blocks, the others in this thread's scratch (kept between calls: no allocation, no zeroing)
+  const bool direct = !bf16 && n == width;
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>((n_chunks - direct) * rows * width);
+  if (scratch.size() < need) scratch.resize(need);
+  float* const S = scratch.data();
+  float* const O = direct ? out.data_ptr<float>() : nullptr;
+  auto part = [&](int64_t c) {
+    return direct && c == 0 ? O : S + (c - direct) * rows * width;
+  };
   const int64_t cols = bf16 ? kBlock : cols_per_item(rows), parts = kBlock / cols;
   const int64_t items = n_blocks * n_chunks * parts;
   if (!bf16) {
@@ -170,7 +179,7 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
           const int64_t b = it / (n_chunks * parts), c = it / parts % n_chunks, q = it % parts;
           const int64_t i0 = c * chunk, i1 = std::min(k, i0 + chunk);
           fp32_rows<M>(W + b * k_padded * kBlock, X, k, i0, i1, q * cols,
-                       P + c * rows * width + b * kBlock, width);
+                       part(c) + b * kBlock, width);
         }
       });
     });
@@ -192,20 +201,19 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
           const int64_t b = it / n_chunks, c = it % n_chunks;
           const int64_t i0 = c * chunk, i1 = std::min(kk, i0 + chunk);
           bf16_item<M>(W + b * k_padded * kBlock, x2.data(), pairs, i0 / 2, i1 / 2,
-                       P + c * rows * width + b * kBlock, width);
+                       part(c) + b * kBlock, width);
         }
       });
     });
   }
 #endif
   // out = the chunks' sums in chunk order (+ bias), in x's dtype
-  auto out = at::empty({rows, n}, x.options());
   at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* B = bias ? b32.data_ptr<float>() : nullptr;
   for (int64_t m = 0; m < rows; ++m) {
-    float* s = P + m * width;
+    float* s = part(0) + m * width;
     for (int64_t c = 1; c < n_chunks; ++c) {
-      const float* t = P + (c * rows + m) * width;
+      const float* t = part(c) + m * width;
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) s[j] += t[j];
     }
@@ -216,7 +224,7 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
     if (bf16) {
       at::BFloat16* o = out.data_ptr<at::BFloat16>() + m * n;
       for (int64_t j = 0; j < n; ++j) o[j] = at::BFloat16(s[j]);
-    } else {
+    } else if (!direct) {
       std::memcpy(out.data_ptr<float>() + m * n, s, n * sizeof(float));
     }
   }
