@@ -43,7 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a W8A8 linear layer: quantize_rows_int8, int8_mm, int8_epilogue", py::arg("x"),
         py::arg("wq"), py::arg("w_scale"), py::arg("bias"));
   m.def("packed_gemv", &packed_gemv,
-        "x @ W^T (+ bias) for 1-6 rows, W read in place from oneDNN's packed layout",
+        "x @ W^T (+ bias) for 1-64 rows, W read in place from oneDNN's packed layout",
         py::arg("x"), py::arg("weight_ptr"), py::arg("n"), py::arg("k_padded"), py::arg("bias"));
   m.def("packed_gemv_max_rows", &packed_gemv_max_rows,
         "the most rows a model's layer gives packed_gemv on this build (0: none)");

@@ -73,7 +73,7 @@ at::Tensor int8_mm(at::Tensor xq, at::Tensor wq);
 at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor w_scale,
                        c10::optional<at::Tensor> bias);
 
-// a linear layer of 1 to 6 rows read from oneDNN's packed weight (packed_gemv.cpp gives the
+// a linear layer of 1 to 64 rows read from oneDNN's packed weight (packed_gemv.cpp gives the
 // layout; linear.py checks it per shape): x [rows, K] float32 or bfloat16 -> [rows, N]
 at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_padded,
                        c10::optional<at::Tensor> bias);

@@ -1,6 +1,6 @@
 // Decode-sized linear layers read straight from oneDNN's packed weights (linear.py's
-// PackedLinear): at a few rows a linear layer is a stream over its weights, and a call into
-// oneDNN through torch costs more set-up than that stream needs (primitive lookup, memory
+// PackedLinear): up to about 16 rows a linear layer is a stream over its weights, and a call
+// into oneDNN through torch costs more set-up than that stream needs (primitive lookup, memory
 // descriptors, allocations: a tenth of a batch-1 step, BENCHMARKS.md section 8). This kernel
 // reads the same buffer, so the weights stay in memory once.
 //
@@ -11,9 +11,10 @@
 // with Kp >= K (padding holds zeros). Each block of 64 outputs is a contiguous run of Kp rows of
 // 64 weights: its outputs stay in registers while x's values are broadcast, one row at a time.
 //
-// Work items are (block, K chunk); the chunks are fixed by the shape alone (never by the thread
-// count), and their partial sums are added in chunk order, so a row's result does not depend on
-// the threads or on the other rows of the batch.
+// Work items are (block, K chunk[, half of the block's columns on AVX2]), each over every row of
+// the step in register tiles of a few rows; the chunks are fixed by the shape alone (never by
+// the thread count), and their partial sums are added in chunk order, so a row's result does
+// not depend on the threads or on the other rows of the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -29,22 +30,29 @@ namespace {
 using octavo::Vec;
 constexpr int64_t kBlock = 64;  // outputs per block of the packed layout
 // the cache lines 4 KB ahead of a block's current row are requested from memory: measured
-// 1.1-1.2x at 2-6 rows over the hardware prefetcher alone, the same at one row
+// 1.1-1.2x at 2-6 rows over the hardware prefetcher alone, the same at one row (AVX-512)
 constexpr int64_t kAhead = 16;
 
+// rows computed together (a register tile): 6 x 4 zmm accumulators + 6 broadcasts + 1 load of
+// 32 zmm; 3 x 4 ymm (+ 3 + 1) of 16 on AVX2. A step of more rows runs its rows in tiles of
+// these over the same work item, whose weights the first tile brought into L1/L2.
+constexpr int64_t kTileRows = Vec::L == 16 ? 6 : 3;
+
+// the most rows of a step the engine gives packed_gemv: measured against oneDNN on the embedded
+// model's layers (BENCHMARKS.md section 8), 2 threads: AVX-512 1.2-1.3x up to 16 rows, even at
+// 24; AVX2 1.1-1.4x up to 12, 1.04x at 16
 #if defined(__AVX512F__)
-constexpr int64_t kMaxRows = 6;  // 6 rows x 4 accumulators + 6 broadcasts + 1 load of 32 zmm
+constexpr int64_t kMaxRows = 16;
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kMaxRows = 3;  // 16 ymm: items of 32-64 columns (cols_per_item); 4 rows in
-                                 // 16 columns lost to oneDNN
+constexpr int64_t kMaxRows = 12;
 #else
 constexpr int64_t kMaxRows = 0;  // the portable build leaves linear layers to oneDNN
 #endif
+constexpr int64_t kCallRows = 64;  // the most rows one call takes
 
-// columns of a block one item computes for m rows: registers hold m x cols accumulators
-constexpr int64_t cols_per_item(int64_t m) {
-  return Vec::L == 16 || m == 1 ? 64 : m <= 3 ? 32 : 16;
-}
+// columns of a block one item computes: all 64 with 16 lanes (4 accumulators a row) or for
+// one row with 8 (8 accumulators); else 32, so that a tile of 3 rows fits 16 ymm registers
+constexpr int64_t cols_per_item(int64_t rows) { return Vec::L == 16 || rows == 1 ? 64 : 32; }
 
 // The K chunks of a layer: one chunk where there are blocks enough to spread over the threads,
 // else chunks of about 128 rows (a multiple of 16, dividing K's 16-row units evenly), so that
@@ -80,12 +88,6 @@ void fp32_item(const float* w, const float* x, int64_t ldx, int64_t i0, int64_t 
     for (int v = 0; v < V; ++v) acc[m][v].store(part + m * ldp + c0 + v * Vec::L);
 }
 
-template <int M>
-void fp32_rows(const float* w, const float* x, int64_t ldx, int64_t i0, int64_t i1, int64_t c0,
-               float* part, int64_t ldp) {
-  fp32_item<M, cols_per_item(M)>(w, x, ldx, i0, i1, c0, part, ldp);
-}
-
 #if defined(__AVX512F__)
 inline bool cpu_has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
 
@@ -114,15 +116,20 @@ __attribute__((target("avx512bf16"))) void bf16_item(const uint16_t* w, const ui
 }
 #endif
 
+// f(integral_constant<M>) for a tile of m rows (1..kTileRows)
 template <class F>
 void by_rows(int64_t m, F&& f) {
   switch (m) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
+#if defined(__AVX512F__)
     case 3: f(std::integral_constant<int, 3>{}); break;
     case 4: f(std::integral_constant<int, 4>{}); break;
     case 5: f(std::integral_constant<int, 5>{}); break;
     default: f(std::integral_constant<int, 6>{}); break;
+#else
+    default: f(std::integral_constant<int, 3>{}); break;
+#endif
   }
 }
 
@@ -144,7 +151,8 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
   TORCH_CHECK(packed_gemv_supports(x.scalar_type()), "packed_gemv: ", x.scalar_type(),
               " is not computed by this build on this CPU");
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(rows >= 1 && rows <= 6, "packed_gemv: 1 to 6 rows, got ", rows);
+  TORCH_CHECK(rows >= 1 && rows <= kCallRows, "packed_gemv: 1 to ", kCallRows, " rows, got ",
+              rows);
   TORCH_CHECK(weight_ptr != 0 && n > 0 && k_padded >= k, "packed_gemv: bad weight geometry");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(!bf16 || k_padded % 2 == 0, "packed_gemv: bf16 rows come in pairs");
@@ -172,16 +180,22 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
   if (!bf16) {
     const float* W = reinterpret_cast<const float*>(weight_ptr);
     const float* X = x.data_ptr<float>();
-    by_rows(rows, [&](auto mr) {
-      constexpr int M = decltype(mr)::value;
-      at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t it = begin; it < end; ++it) {
-          const int64_t b = it / (n_chunks * parts), c = it / parts % n_chunks, q = it % parts;
-          const int64_t i0 = c * chunk, i1 = std::min(k, i0 + chunk);
-          fp32_rows<M>(W + b * k_padded * kBlock, X, k, i0, i1, q * cols,
-                       part(c) + b * kBlock, width);
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t b = it / (n_chunks * parts), c = it / parts % n_chunks, q = it % parts;
+        const int64_t i0 = c * chunk, i1 = std::min(k, i0 + chunk);
+        for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+          by_rows(std::min(kTileRows, rows - r0), [&](auto mr) {
+            constexpr int M = decltype(mr)::value;
+            float* dst = part(c) + r0 * width + b * kBlock;
+            if (cols == 64)
+              fp32_item<M, 64>(W + b * k_padded * kBlock, X + r0 * k, k, i0, i1, 0, dst, width);
+            else
+              fp32_item<M, 32>(W + b * k_padded * kBlock, X + r0 * k, k, i0, i1, q * cols, dst,
+                               width);
+          });
         }
-      });
+      }
     });
   }
 #if defined(__AVX512F__)
@@ -194,16 +208,18 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
                   x.data_ptr<at::BFloat16>() + m * k, k * sizeof(uint16_t));
     const uint16_t* W = reinterpret_cast<const uint16_t*>(weight_ptr);
     const int64_t kk = (k + 1) / 2 * 2;  // K rounded up to whole pairs
-    by_rows(rows, [&](auto mr) {
-      constexpr int M = decltype(mr)::value;
-      at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t it = begin; it < end; ++it) {
-          const int64_t b = it / n_chunks, c = it % n_chunks;
-          const int64_t i0 = c * chunk, i1 = std::min(kk, i0 + chunk);
-          bf16_item<M>(W + b * k_padded * kBlock, x2.data(), pairs, i0 / 2, i1 / 2,
-                       part(c) + b * kBlock, width);
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t b = it / n_chunks, c = it % n_chunks;
+        const int64_t i0 = c * chunk, i1 = std::min(kk, i0 + chunk);
+        for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+          by_rows(std::min(kTileRows, rows - r0), [&](auto mr) {
+            bf16_item<decltype(mr)::value>(W + b * k_padded * kBlock, x2.data() + r0 * pairs,
+                                           pairs, i0 / 2, i1 / 2,
+                                           part(c) + r0 * width + b * kBlock, width);
+          });
         }
-      });
+      }
     });
   }
 #endif
