@@ -15,9 +15,12 @@ next), so this benchmark runs octavo on each build this CPU can run, forcing the
    continuations of 256 tokens after 256 cached) and `verify` (64 sequences, each verifying
    4 speculative drafts: 5 query tokens after 200-700 cached); bf16 on a CPU with AVX-512
    bf16 dot products twice, on them and widened to fp32 as on a CPU without them;
+   **decode linears** (decode_linears.py): one decode step's linear layers, octavo's
+   packed_gemv against oneDNN on the same packed weights, 1 to 24 rows;
 2. **single stream** (llama-bench's pp/tg shape: a 256-token prompt, 128 new tokens, greedy):
    prefill and generation tok/s, and a decode step split into the model's forward and the
-   engine's own overhead (scheduling, batch preparation, sampling, output processing);
+   engine's own overhead (scheduling, batch preparation, sampling, output processing); on the
+   best build once more with packed_gemv off (oneDNN for every linear layer);
 3. **offline `mixed`**: output tok/s of the paged engine for each build, in fp32, `auto`, and
    bf16 asked for; on a path without native bf16 (`avx2`, `portable`) bf16 computes in fp32
    (model/dtype_policy.py), so that row shows what an AVX2 machine's user gets.
@@ -29,6 +32,7 @@ policy, not a whole AVX2 machine.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any
@@ -38,6 +42,7 @@ from matplotlib.figure import Figure
 
 from octavo.bench import workloads
 from octavo.bench.common import BenchResult, PlotFn, md_table, median
+from octavo.bench.decode_linears import decode_linear_rows
 from octavo.bench.engine_run import effective_dtype, make_llm, run_workload
 from octavo.bench.options import BenchOptions
 from octavo.config import ModelConfig
@@ -45,6 +50,7 @@ from octavo.model.attention import get_backend
 from octavo.model.attention.base import AttentionMetadata, PrefillChunk
 from octavo.model.attention.cpu_backend import CpuPagedAttentionBackend
 from octavo.model.cpu_isa import supported_isas
+from octavo.model.linear import GEMV_ENV_VAR
 from octavo.model.loader import resolve_model_dir
 
 DECODE_BATCH, DECODE_CTX, BLOCK = 32, 512, 16
@@ -203,9 +209,18 @@ def single_stream_rows(opts: BenchOptions, isas: list[str], repeats: int) -> lis
     vocab = 256 if opts.model else workloads.SMOLLM2_VOCAB
     prompt_len, new = (100, 64) if opts.model else (256, opts.pick(32, 128))
     rows = []
-    for isa in isas:
-        llm = make_llm(opts.model, overrides={**opts.engine_overrides, "cpu_isa": isa},
-                       dtype="float32", max_model_len=512 if opts.model else 2048)
+    for isa, gemv in [(isa, True) for isa in isas] + [(isas[0], False)]:
+        saved = os.environ.get(GEMV_ENV_VAR)
+        if not gemv:
+            os.environ[GEMV_ENV_VAR] = "0"
+        try:
+            llm = make_llm(opts.model, overrides={**opts.engine_overrides, "cpu_isa": isa},
+                           dtype="float32", max_model_len=512 if opts.model else 2048)
+        finally:
+            if saved is None:
+                os.environ.pop(GEMV_ENV_VAR, None)
+            else:
+                os.environ[GEMV_ENV_VAR] = saved
         forward_s = timed_forward(llm)
         prefill, decode, fwd, steps = [], [], [], []
         for rep in range(repeats + 1):  # the first is a warm-up
@@ -225,10 +240,12 @@ def single_stream_rows(opts: BenchOptions, isas: list[str], repeats: int) -> lis
             fwd.append(forward_s[0] / r.steps)
             steps.append(r.step_s / r.steps)
         step_ms, fwd_ms = 1e3 * median(steps), 1e3 * median(fwd)
-        rows.append({"isa": isa, "prompt": prompt_len, "new_tokens": new,
+        path = llm.engine.runner.kernel_path()
+        rows.append({"isa": isa, "decode_linears": path["decode_gemv"], "prompt": prompt_len,
+                     "new_tokens": new,
                      "prefill_tok_s": median(prefill), "decode_tok_s": median(decode),
                      "step_ms": step_ms, "forward_ms": fwd_ms, "overhead_ms": step_ms - fwd_ms,
-                     "kernel_path": llm.engine.runner.kernel_path()})
+                     "kernel_path": path})
     return rows
 
 
@@ -266,6 +283,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     attn = decode_attention_rows(cfg, repeats, opts.pick(128, DECODE_CTX))
     step_attn = decode_step_rows(cfg, repeats, opts.pick(8, 64), opts.pick(2, cfg.num_layers))
     prefill = prefill_attention_rows(cfg, repeats)
+    linears = decode_linear_rows(cfg, isas, repeats, opts.pick(2, cfg.num_layers))
     single = single_stream_rows(opts, isas, repeats)
     mixed = mixed_rows(opts, isas, repeats)
     md = [
@@ -292,14 +310,23 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                  [[r["step"], r["chunks"], r["query_tokens"], r["dtype"], r["path"], r["ms"],
                    r["x_torch"]] for r in prefill], 3),
         "",
+        f"Decode-sized linear layers: ms of one step's {opts.pick(2, cfg.num_layers)} "
+        "layers' linears and the LM head (weights from memory), oneDNN against octavo's "
+        "packed_gemv on the same packed weights; the engine gives packed_gemv the rows marked:",
+        "",
+        md_table(["isa", "dtype", "rows", "oneDNN ms", "packed_gemv ms", "x oneDNN",
+                  "engine takes it"],
+                 [[r["isa"], r["dtype"], r["rows"], r["onednn_ms"], r["packed_gemv_ms"],
+                   r["x_onednn"], "yes" if r["engine_takes"] else "no"] for r in linears], 3),
+        "",
         "Single stream, fp32 (prompt then greedy generation; a step split into the model's "
         "forward and the engine's overhead):",
         "",
-        md_table(["isa", "prompt", "new", "prefill tok/s", "generation tok/s", "ms / step",
-                  "forward ms", "overhead ms"],
-                 [[r["isa"], r["prompt"], r["new_tokens"], r["prefill_tok_s"],
-                   r["decode_tok_s"], r["step_ms"], r["forward_ms"], r["overhead_ms"]]
-                  for r in single]),
+        md_table(["isa", "decode linears", "prompt", "new", "prefill tok/s",
+                  "generation tok/s", "ms / step", "forward ms", "overhead ms"],
+                 [[r["isa"], r["decode_linears"], r["prompt"], r["new_tokens"],
+                   r["prefill_tok_s"], r["decode_tok_s"], r["step_ms"], r["forward_ms"],
+                   r["overhead_ms"]] for r in single]),
         "",
         "Offline `mixed`, paged engine, per ISA build and dtype asked for:",
         "",
@@ -311,7 +338,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     config = {"repeats": repeats, "isas": isas, "threads": opts.threads}
     res = BenchResult("cpu", opts.command, config,
                       {"decode_attention": attn, "decode_step_attention": step_attn,
-                       "prefill_attention": prefill,
+                       "prefill_attention": prefill, "decode_linears": linears,
                        "single_stream": single, "mixed": mixed},
                       "\n".join(md), elapsed_s=time.perf_counter() - t0)
     return res, plot
