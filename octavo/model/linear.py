@@ -9,7 +9,7 @@ the model's shapes, and up to 1.6x in bf16 for small decode batches; see BENCHMA
 and cast. Each packed layer is checked against `F.linear` on a random batch first; any failure
 (no oneDNN, an unsupported dtype) keeps the plain layer. OCTAVO_LINEAR=torch turns it off.
 
-Decode-sized batches (up to `ops.packed_gemv_max_rows()` rows: 16 with AVX-512, 12 with AVX2)
+Decode-sized batches (up to `ops.packed_gemv_max_rows()` rows: 16 with AVX-512 or AVX2)
 skip oneDNN's per-call set-up: octavo's `packed_gemv` (csrc/packed_gemv.cpp) reads the same
 packed buffer in place. Its layout is oneDNN's internal choice, so `gemv_layout` checks it for
 every shape and dtype by packing matrices that encode each weight's coordinates and comparing

@@ -11,8 +11,8 @@
 // with Kp >= K (padding holds zeros). Each block of 64 outputs is a contiguous run of Kp rows of
 // 64 weights: its outputs stay in registers while x's values are broadcast, one row at a time.
 //
-// Work items are (block, K chunk[, half of the block's columns on AVX2]), each over every row of
-// the step in register tiles of a few rows; the chunks are fixed by the shape alone (never by
+// Work items are (block, K chunk), each over every row of the step in register tiles of a few
+// rows; the chunks are fixed by the shape alone (never by
 // the thread count), and their partial sums are added in chunk order, so a row's result does
 // not depend on the threads or on the other rows of the batch.
 #include <ATen/ATen.h>
@@ -33,26 +33,22 @@ constexpr int64_t kBlock = 64;  // outputs per block of the packed layout
 // 1.1-1.2x at 2-6 rows over the hardware prefetcher alone, the same at one row (AVX-512)
 constexpr int64_t kAhead = 16;
 
-// rows computed together (a register tile): 6 x 4 zmm accumulators + 6 broadcasts + 1 load of
-// 32 zmm; 3 x 4 ymm (+ 3 + 1) of 16 on AVX2. A step of more rows runs its rows in tiles of
-// these over the same work item, whose weights the first tile brought into L1/L2.
-constexpr int64_t kTileRows = Vec::L == 16 ? 6 : 3;
+// rows computed together (a register tile): 6 rows x 4 zmm accumulators + 6 broadcasts + 1 load
+// of 32 zmm; on AVX2 one row's 8 ymm accumulators (3 rows of 32 columns measured 1.1-1.4x
+// slower). A step of more rows runs its rows tile by tile over the same work item, whose
+// weights the first tile brought into L1/L2.
+constexpr int64_t kTileRows = Vec::L == 16 ? 6 : 1;
 
 // the most rows of a step the engine gives packed_gemv: measured against oneDNN on the embedded
-// model's layers (BENCHMARKS.md section 8), 2 threads: AVX-512 1.2-1.3x up to 16 rows, even at
-// 24; AVX2 1.1-1.4x up to 12, 1.04x at 16
-#if defined(__AVX512F__)
+// model's layers (BENCHMARKS.md section 8): AVX-512 1.15-1.3x up to 16 rows (2 threads), even
+// at 24; AVX2 (against oneDNN held to AVX2) 1.2-1.4x up to 16 rows at 2 threads, 1.04x at 16
+// rows on one thread, even at 24 rows
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 constexpr int64_t kMaxRows = 16;
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kMaxRows = 12;
 #else
 constexpr int64_t kMaxRows = 0;  // the portable build leaves linear layers to oneDNN
 #endif
 constexpr int64_t kCallRows = 64;  // the most rows one call takes
-
-// columns of a block one item computes: all 64 with 16 lanes (4 accumulators a row) or for
-// one row with 8 (8 accumulators); else 32, so that a tile of 3 rows fits 16 ymm registers
-constexpr int64_t cols_per_item(int64_t rows) { return Vec::L == 16 || rows == 1 ? 64 : 32; }
 
 // The K chunks of a layer: one chunk where there are blocks enough to spread over the threads,
 // else chunks of about 128 rows (a multiple of 16, dividing K's 16-row units evenly), so that
@@ -65,18 +61,18 @@ int64_t chunk_rows(int64_t n_blocks, int64_t k) {
   return units / chunks * 16;
 }
 
-// rows m0..m0+M-1 of x (fp32, row stride ldx) times columns c0..c0+C-1 of one block, over K rows
-// i0..i1-1 (w: the block's first row), into part (row stride ldp) at the block's column c0
-template <int M, int C>
-void fp32_item(const float* w, const float* x, int64_t ldx, int64_t i0, int64_t i1, int64_t c0,
-               float* part, int64_t ldp) {
-  constexpr int V = C / Vec::L;
+// M rows of x (fp32, row stride ldx) times one block over K rows i0..i1-1 (w: the block's
+// first row), into part (row stride ldp)
+template <int M>
+void fp32_item(const float* w, const float* x, int64_t ldx, int64_t i0, int64_t i1, float* part,
+               int64_t ldp) {
+  constexpr int V = kBlock / Vec::L;
   Vec acc[M][V];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < V; ++v) acc[m][v] = Vec::zero();
-  const float* wr = w + i0 * kBlock + c0;
+  const float* wr = w + i0 * kBlock;
   for (int64_t i = i0; i < i1; ++i, wr += kBlock) {
-    for (int c = 0; c < C; c += 16) __builtin_prefetch(wr + kAhead * kBlock + c, 0, 3);
+    for (int c = 0; c < kBlock; c += 16) __builtin_prefetch(wr + kAhead * kBlock + c, 0, 3);
     Vec xb[M];
     for (int m = 0; m < M; ++m) xb[m] = Vec::set1(x[m * ldx + i]);
     for (int v = 0; v < V; ++v) {
@@ -85,7 +81,7 @@ void fp32_item(const float* w, const float* x, int64_t ldx, int64_t i0, int64_t 
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < V; ++v) acc[m][v].store(part + m * ldp + c0 + v * Vec::L);
+    for (int v = 0; v < V; ++v) acc[m][v].store(part + m * ldp + v * Vec::L);
 }
 
 #if defined(__AVX512F__)
@@ -120,16 +116,14 @@ __attribute__((target("avx512bf16"))) void bf16_item(const uint16_t* w, const ui
 template <class F>
 void by_rows(int64_t m, F&& f) {
   switch (m) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
 #if defined(__AVX512F__)
+    case 2: f(std::integral_constant<int, 2>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
     case 4: f(std::integral_constant<int, 4>{}); break;
     case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
-#else
-    default: f(std::integral_constant<int, 3>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
 #endif
+    default: f(std::integral_constant<int, 1>{}); break;
   }
 }
 
@@ -175,24 +169,18 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
   auto part = [&](int64_t c) {
     return direct && c == 0 ? O : S + (c - direct) * rows * width;
   };
-  const int64_t cols = bf16 ? kBlock : cols_per_item(rows), parts = kBlock / cols;
-  const int64_t items = n_blocks * n_chunks * parts;
+  const int64_t items = n_blocks * n_chunks;
   if (!bf16) {
     const float* W = reinterpret_cast<const float*>(weight_ptr);
     const float* X = x.data_ptr<float>();
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       for (int64_t it = begin; it < end; ++it) {
-        const int64_t b = it / (n_chunks * parts), c = it / parts % n_chunks, q = it % parts;
+        const int64_t b = it / n_chunks, c = it % n_chunks;
         const int64_t i0 = c * chunk, i1 = std::min(k, i0 + chunk);
         for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
           by_rows(std::min(kTileRows, rows - r0), [&](auto mr) {
-            constexpr int M = decltype(mr)::value;
-            float* dst = part(c) + r0 * width + b * kBlock;
-            if (cols == 64)
-              fp32_item<M, 64>(W + b * k_padded * kBlock, X + r0 * k, k, i0, i1, 0, dst, width);
-            else
-              fp32_item<M, 32>(W + b * k_padded * kBlock, X + r0 * k, k, i0, i1, q * cols, dst,
-                               width);
+            fp32_item<decltype(mr)::value>(W + b * k_padded * kBlock, X + r0 * k, k, i0, i1,
+                                           part(c) + r0 * width + b * kBlock, width);
           });
         }
       }
