@@ -1,8 +1,8 @@
 """Decode-sized linear layers for `octavo bench cpu`: octavo's packed_gemv (csrc/packed_gemv.cpp)
 against oneDNN on the same packed weights, for every linear layer of the model in order (all
 its layers, so the weights come from memory as in a decode step: the four of each decoder layer
-and the LM head), per ISA build of octavo's ops, per dtype, at 1 to 24 rows. The engine gives
-packed_gemv the steps of up to `packed_gemv_max_rows()` rows; the rows above show where oneDNN
+and the LM head), per ISA build of octavo's ops, per dtype, at 1 to 64 rows. The engine gives
+packed_gemv the steps of up to `packed_gemv_max_rows(dtype)` rows; the rows above show where oneDNN
 takes over. oneDNN picks its own ISA from the CPU, whichever build of octavo's runs."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from octavo.config import ModelConfig
 from octavo.model.cpu_ops import load_cpu_ops
 from octavo.model.linear import PackedLinear, onednn_usable
 
-ROWS = (1, 4, 8, 16, 24)
+ROWS = (1, 4, 8, 16, 24, 32, 64)
 
 
 def layer_shapes(cfg: ModelConfig, layers: int) -> list[tuple[int, int]]:
@@ -64,7 +64,7 @@ def decode_linear_rows(cfg: ModelConfig, isas: list[str], repeats: int,
         for isa, ops in builds:
             if not all(p.use_gemv(ops) for p in packed):
                 continue  # a layout packed_gemv does not read: the engine keeps oneDNN
-            engine_rows = ops.packed_gemv_max_rows()
+            engine_rows = ops.packed_gemv_max_rows(dtype)
             for m in ROWS:
                 xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {s[1] for s in shapes}}
                 times: dict[str, list[float]] = {"onednn": [], "packed_gemv": []}

@@ -9,7 +9,8 @@ the model's shapes, and up to 1.6x in bf16 for small decode batches; see BENCHMA
 and cast. Each packed layer is checked against `F.linear` on a random batch first; any failure
 (no oneDNN, an unsupported dtype) keeps the plain layer. OCTAVO_LINEAR=torch turns it off.
 
-Decode-sized batches (up to `ops.packed_gemv_max_rows()` rows: 16 with AVX-512 or AVX2)
+Decode-sized batches (up to `ops.packed_gemv_max_rows(dtype)` rows: with AVX-512 64 in fp32
+and 24 in bf16, with AVX2 16 in fp32)
 skip oneDNN's per-call set-up: octavo's `packed_gemv` (csrc/packed_gemv.cpp) reads the same
 packed buffer in place. Its layout is oneDNN's internal choice, so `gemv_layout` checks it for
 every shape and dtype by packing matrices that encode each weight's coordinates and comparing
@@ -59,14 +60,14 @@ class PackedLinear(nn.Module):
         self.ops, self.gemv_rows = None, 0
         if (ops is None or not hasattr(ops, "packed_gemv")
                 or os.environ.get(GEMV_ENV_VAR, "1") == "0"
-                or not ops.packed_gemv_supports(self.dtype) or ops.packed_gemv_max_rows() < 1):
+                or ops.packed_gemv_max_rows(self.dtype) < 1):
             return False
         k_padded = gemv_layout(self.out_features, self.in_features, self.dtype)
         if k_padded is None:
             return False
         self.ops, self.k_padded = ops, k_padded
         self.weight_ptr = torch.ops.mkldnn.data_ptr(self.packed)
-        self.gemv_rows = ops.packed_gemv_max_rows()
+        self.gemv_rows = ops.packed_gemv_max_rows(self.dtype)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(2, self.in_features, generator=gen).to(self.dtype)
         with torch.inference_mode():

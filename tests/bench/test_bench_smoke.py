@@ -131,6 +131,8 @@ def test_gemm_floor_counts_every_weight_once_per_token() -> None:
 
 
 def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import torch
+
     from octavo.model.cpu_isa import cpu_flags, supported_isas
     from octavo.model.cpu_ops import load_cpu_ops
 
@@ -159,15 +161,18 @@ def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> 
         assert r["kernel_path"]["isa"] == r["isa"]
         assert 0 < r["forward_ms"] < r["step_ms"]
     assert res["single_stream"][-1]["decode_linears"] == "off"  # the best build, oneDNN only
-    gemv_isas = [i for i in isas if load_cpu_ops(i).packed_gemv_max_rows()]
+    def max_rows(isa, dtype="float32"):
+        return load_cpu_ops(isa).packed_gemv_max_rows(getattr(torch, dtype))
+
+    gemv_isas = [i for i in isas if max_rows(i)]
     assert {r["decode_linears"] for r in res["single_stream"][:-1] if r["isa"] in gemv_isas} \
-        <= {f"packed_gemv <= {load_cpu_ops(i).packed_gemv_max_rows()} rows" for i in gemv_isas}
+        <= {f"packed_gemv <= {max_rows(i)} rows" for i in gemv_isas}
     linears = res["decode_linears"]
     assert {(r["isa"], r["dtype"]) for r in linears if r["dtype"] == "float32"} == {
         (i, "float32") for i in gemv_isas}
     for r in linears:
         assert r["onednn_ms"] > 0 and r["packed_gemv_ms"] > 0
-        assert r["engine_takes"] == (r["rows"] <= load_cpu_ops(r["isa"]).packed_gemv_max_rows())
+        assert r["engine_takes"] == (r["rows"] <= max_rows(r["isa"], r["dtype"]))
     for r in res["mixed"]:
         if r["dtype"] == "bfloat16" and r["isa"] != "avx512":
             assert r["computes_in"] == "float32"  # no native bf16 on the forced-down paths

@@ -39,8 +39,10 @@ def _dtypes(ops) -> list[torch.dtype]:
 @pytest.mark.parametrize("bias", [False, True])
 def test_equals_f_linear_on_every_build(isa, shape, bias):
     ops = load_cpu_ops(isa)
-    want_rows = {"avx512": 16, "avx2": 16, "portable": 0}[isa]
-    assert ops.packed_gemv_max_rows() == want_rows
+    want_rows = {"avx512": 64, "avx2": 16, "portable": 0}[isa]
+    assert ops.packed_gemv_max_rows(torch.float32) == want_rows
+    assert ops.packed_gemv_max_rows(torch.bfloat16) == (
+        24 if ops.packed_gemv_supports(torch.bfloat16) else 0)
     n, k = shape
     for dtype in _dtypes(ops):
         layer = _layer(n, k, dtype, bias)
@@ -64,7 +66,7 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads():
         n, k = 576, 1536  # K in several chunks, added in a fixed order
         packed = PackedLinear(_layer(n, k, dtype, True))
         assert packed.use_gemv(ops)
-        x = torch.randn(ops.packed_gemv_max_rows(), k).to(dtype)
+        x = torch.randn(min(20, ops.packed_gemv_max_rows(dtype)), k).to(dtype)
         batch = packed(x)
         try:
             torch.set_num_threads(1)
@@ -77,7 +79,7 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads():
 def test_use_gemv_takes_small_batches_and_leaves_larger_ones_to_onednn(monkeypatch):
     ops = load_cpu_ops()
     packed = PackedLinear(_layer(300, 200, torch.float32, True))
-    assert packed.use_gemv(ops) == (ops.packed_gemv_max_rows() > 0)
+    assert packed.use_gemv(ops) == (ops.packed_gemv_max_rows(torch.float32) > 0)
     calls = []
     real = ops.packed_gemv
 
@@ -88,7 +90,7 @@ def test_use_gemv_takes_small_batches_and_leaves_larger_ones_to_onednn(monkeypat
 
     packed.ops = Spy()
     rows = packed.gemv_rows
-    for m in (1, rows, rows + 1, 40):
+    for m in (1, rows, rows + 1, rows + 40):
         x = torch.randn(m, 200)
         torch.testing.assert_close(packed(x), F.linear(x, *_weights(packed)), **TOL[torch.float32])
     assert calls == ([1, rows] if rows else [])
@@ -130,7 +132,7 @@ def test_a_layout_it_does_not_read_keeps_onednn(monkeypatch):
 
 def test_unsupported_calls_are_refused():
     ops = load_cpu_ops()
-    if not ops.packed_gemv_max_rows():
+    if not ops.packed_gemv_max_rows(torch.float32):
         pytest.skip("this build leaves every layer to oneDNN")
     packed = PackedLinear(_layer(64, 32, torch.float32, False))
     ptr = torch.ops.mkldnn.data_ptr(packed.packed)
@@ -150,7 +152,7 @@ def test_engine_with_packed_gemv_reports_it_and_matches_hf(tiny_llama_dir):
 
     llm = LLM(model=str(tiny_llama_dir), dtype="float32")
     path = llm.engine.runner.kernel_path()
-    rows = load_cpu_ops().packed_gemv_max_rows()
+    rows = load_cpu_ops().packed_gemv_max_rows(torch.float32)
     assert path["decode_gemv"] == (f"packed_gemv <= {rows} rows" if rows else "off")
     prompts = [[1, 5, 9, 13, 2], [3, 4], list(range(20, 60))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

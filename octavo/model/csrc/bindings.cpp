@@ -46,7 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T (+ bias) for 1-64 rows, W read in place from oneDNN's packed layout",
         py::arg("x"), py::arg("weight_ptr"), py::arg("n"), py::arg("k_padded"), py::arg("bias"));
   m.def("packed_gemv_max_rows", &packed_gemv_max_rows,
-        "the most rows a model's layer gives packed_gemv on this build (0: none)");
+        "the most rows of this dtype a model's layer gives packed_gemv here (0: none)",
+        py::arg("dtype"));
   m.def("packed_gemv_supports", &packed_gemv_supports,
         "whether packed_gemv computes this dtype on this build and CPU", py::arg("dtype"));
   bind_decode_stack(m);

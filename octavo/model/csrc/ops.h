@@ -77,7 +77,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor w_scale,
 // layout; linear.py checks it per shape): x [rows, K] float32 or bfloat16 -> [rows, N]
 at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_padded,
                        c10::optional<at::Tensor> bias);
-// the most rows this build gives packed_gemv in a model (0: none; oneDNN computes the layer)
-int64_t packed_gemv_max_rows();
+// the most rows of `dtype` this build gives packed_gemv in a model (0: none; oneDNN computes)
+int64_t packed_gemv_max_rows(at::ScalarType dtype);
 // whether this build computes `dtype` in packed_gemv on this CPU
 bool packed_gemv_supports(at::ScalarType dtype);

@@ -39,14 +39,16 @@ constexpr int64_t kAhead = 16;
 // weights the first tile brought into L1/L2.
 constexpr int64_t kTileRows = Vec::L == 16 ? 6 : 1;
 
-// the most rows of a step the engine gives packed_gemv: measured against oneDNN on the embedded
-// model's layers (BENCHMARKS.md section 8): AVX-512 1.15-1.3x up to 16 rows (2 threads), even
-// at 24; AVX2 (against oneDNN held to AVX2) 1.2-1.4x up to 16 rows at 2 threads, 1.04x at 16
-// rows on one thread, even at 24 rows
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-constexpr int64_t kMaxRows = 16;
+// the most rows of a step the engine gives packed_gemv (packed_gemv_max_rows), measured against
+// oneDNN on the embedded model's layers (BENCHMARKS.md section 8): AVX-512 fp32 1.1-1.3x at
+// 1 to 64 rows (1 and 2 threads), bf16 1.1-1.5x up to 24 rows, 0.9x from 48; AVX2 (against
+// oneDNN held to AVX2) 1.1-1.4x up to 16 rows, 0.9x at 24
+#if defined(__AVX512F__)
+constexpr int64_t kMaxRowsFp32 = 64, kMaxRowsBf16 = 24;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kMaxRowsFp32 = 16, kMaxRowsBf16 = 0;
 #else
-constexpr int64_t kMaxRows = 0;  // the portable build leaves linear layers to oneDNN
+constexpr int64_t kMaxRowsFp32 = 0, kMaxRowsBf16 = 0;  // portable: oneDNN computes them all
 #endif
 constexpr int64_t kCallRows = 64;  // the most rows one call takes
 
@@ -139,14 +141,17 @@ void by_rows(int64_t m, F&& f) {
 
 }  // namespace
 
-int64_t packed_gemv_max_rows() { return kMaxRows; }
-
 bool packed_gemv_supports(at::ScalarType dtype) {
-  if (dtype == at::kFloat) return kMaxRows > 0;
+  if (dtype == at::kFloat) return kMaxRowsFp32 > 0;
 #if defined(__AVX512F__)
   if (dtype == at::kBFloat16) return cpu_has_bf16_dot();
 #endif
   return false;
+}
+
+int64_t packed_gemv_max_rows(at::ScalarType dtype) {
+  if (!packed_gemv_supports(dtype)) return 0;
+  return dtype == at::kFloat ? kMaxRowsFp32 : kMaxRowsBf16;
 }
 
 at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_padded,
