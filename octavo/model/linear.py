@@ -9,7 +9,7 @@ the model's shapes, and up to 1.6x in bf16 for small decode batches; see BENCHMA
 and cast. Each packed layer is checked against `F.linear` on a random batch first; any failure
 (no oneDNN, an unsupported dtype) keeps the plain layer. OCTAVO_LINEAR=torch turns it off.
 
-Decode-sized batches (up to `ops.packed_gemv_max_rows(dtype)` rows: with AVX-512 64 in fp32
+Decode-sized batches (up to `ops.packed_gemv_max_rows(dtype)` rows: with AVX-512 32 in fp32
 and 24 in bf16, with AVX2 16 in fp32)
 skip oneDNN's per-call set-up: octavo's `packed_gemv` (csrc/packed_gemv.cpp) reads the same
 packed buffer in place. Its layout is oneDNN's internal choice, so `gemv_layout` checks it for
@@ -121,37 +121,48 @@ def gemv_layout_of(n: int, k: int, k_padded: int, dtype: torch.dtype,
     return padded.view(blocks, GEMV_BLOCK, k_padded).permute(0, 2, 1).flatten()
 
 
+def _digits(size: int, base: int) -> list[torch.Tensor]:
+    """0..size-1 written in `base`, one tensor of digits + 1 (1..base) per place."""
+    index, out = torch.arange(size, dtype=torch.int32), []
+    while True:
+        out.append(index % base + 1)
+        index = index // base
+        if not bool(index.any()):
+            return out
+
+
 @cache
 def gemv_layout(n: int, k: int, dtype: torch.dtype) -> int | None:
     """Kp where oneDNN packs an [n, k] weight of `dtype` in packed_gemv's layout, else None.
 
     Checked, not assumed: matrices whose entries encode their row (and then their column)
-    index, digit by digit in a base the dtype holds exactly, are packed by oneDNN and compared
-    with gemv_layout_of the same matrices."""
+    index, digit by digit in a base the dtype holds exactly (+ 1, so that padding's zeros
+    differ), are packed by oneDNN and compared with gemv_layout_of the same matrices."""
     if dtype not in (torch.float32, torch.bfloat16):
         return None
+    try:
+        return _checked_layout(n, k, dtype)
+    except (RuntimeError, AttributeError):  # no such oneDNN op, or it refused the shape
+        return None
+
+
+def _checked_layout(n: int, k: int, dtype: torch.dtype) -> int | None:
     blocks = -(-n // GEMV_BLOCK)
     esize = torch.empty((), dtype=dtype).element_size()
-    try:
-        nbytes = torch.ops.mkldnn._nbytes(torch.ops.mkldnn._reorder_linear_weight(
-            torch.zeros(n, k, dtype=dtype)))
-    except (RuntimeError, AttributeError):
-        return None
+    nbytes = torch.ops.mkldnn._nbytes(torch.ops.mkldnn._reorder_linear_weight(
+        torch.zeros(n, k, dtype=dtype)))
     k_padded, rest = divmod(nbytes, blocks * GEMV_BLOCK * esize)
     if rest or k_padded < k or (dtype == torch.bfloat16 and k_padded % 2):
         return None
-    base = 255 if dtype == torch.bfloat16 else 2**23  # digits + 1 are exact in the dtype
-    for index in (torch.arange(n)[:, None].expand(n, k), torch.arange(k)[None, :].expand(n, k)):
-        rest_index = index.clone()
-        while True:
-            digit = (rest_index % base + 1).to(dtype)  # + 1: the padding's zeros differ
-            packed = torch.ops.mkldnn._reorder_linear_weight(digit.contiguous())
+    base = 255 if dtype == torch.bfloat16 else 2**23  # 1..base are exact in the dtype
+    for axis, size in ((0, n), (1, k)):
+        for digits in _digits(size, base):
+            vec = digits.to(dtype)
+            plain = (vec[:, None] if axis == 0 else vec[None, :]).expand(n, k).contiguous()
+            packed = torch.ops.mkldnn._reorder_linear_weight(plain)
             if not torch.equal(_packed_view(packed, dtype),
-                               gemv_layout_of(n, k, k_padded, dtype, digit)):
+                               gemv_layout_of(n, k, k_padded, dtype, plain)):
                 return None
-            rest_index = rest_index // base
-            if not bool(rest_index.any()):
-                break
     return k_padded
 
 

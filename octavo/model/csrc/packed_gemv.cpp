@@ -40,11 +40,11 @@ constexpr int64_t kAhead = 16;
 constexpr int64_t kTileRows = Vec::L == 16 ? 6 : 1;
 
 // the most rows of a step the engine gives packed_gemv (packed_gemv_max_rows), measured against
-// oneDNN on the embedded model's layers (BENCHMARKS.md section 8): AVX-512 fp32 1.1-1.3x at
-// 1 to 64 rows (1 and 2 threads), bf16 1.1-1.5x up to 24 rows, 0.9x from 48; AVX2 (against
-// oneDNN held to AVX2) 1.1-1.4x up to 16 rows, 0.9x at 24
+// oneDNN on the embedded model's layers (BENCHMARKS.md section 8): AVX-512 fp32 1.1-1.3x up to
+// 16 rows, 1.0-1.15x at 24-32, 0.98-1.1x at 64 (2 threads); bf16 1.1-1.5x up to 24 rows, 0.9x
+// from 48; AVX2 (against oneDNN held to AVX2) 1.1-1.4x up to 16 rows, 0.9x at 24
 #if defined(__AVX512F__)
-constexpr int64_t kMaxRowsFp32 = 64, kMaxRowsBf16 = 24;
+constexpr int64_t kMaxRowsFp32 = 32, kMaxRowsBf16 = 24;
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kMaxRowsFp32 = 16, kMaxRowsBf16 = 0;
 #else
