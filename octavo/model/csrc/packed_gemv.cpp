@@ -139,6 +139,22 @@ void by_rows(int64_t m, F&& f) {
   }
 }
 
+// every (block, K chunk) item over the threads (contiguous ranges: each thread streams one
+// part of the buffer), and in each item every tile of rows: f(block, chunk, K rows i0..i1-1,
+// the tile's first row, integral_constant<rows in the tile>); k_end: where K's rows end
+template <class F>
+void run_items(int64_t n_blocks, int64_t n_chunks, int64_t chunk, int64_t k_end, int64_t rows,
+               F&& f) {
+  at::parallel_for(0, n_blocks * n_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / n_chunks, c = it % n_chunks;
+      const int64_t i0 = c * chunk, i1 = std::min(k_end, i0 + chunk);
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows)
+        by_rows(std::min(kTileRows, rows - r0), [&](auto mr) { f(b, c, i0, i1, r0, mr); });
+    }
+  });
+}
+
 }  // namespace
 
 bool packed_gemv_supports(at::ScalarType dtype) {
@@ -184,21 +200,13 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
   auto part = [&](int64_t c) {
     return direct && c == 0 ? O : S + (c - direct) * rows * width;
   };
-  const int64_t items = n_blocks * n_chunks;
   if (!bf16) {
     const float* W = reinterpret_cast<const float*>(weight_ptr);
     const float* X = x.data_ptr<float>();
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t it = begin; it < end; ++it) {
-        const int64_t b = it / n_chunks, c = it % n_chunks;
-        const int64_t i0 = c * chunk, i1 = std::min(k, i0 + chunk);
-        for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-          by_rows(std::min(kTileRows, rows - r0), [&](auto mr) {
-            fp32_item<decltype(mr)::value>(W + b * k_padded * kBlock, X + r0 * k, k, i0, i1,
-                                           part(c) + r0 * width + b * kBlock, width);
-          });
-        }
-      }
+    run_items(n_blocks, n_chunks, chunk, k, rows, [&](int64_t b, int64_t c, int64_t i0,
+                                                      int64_t i1, int64_t r0, auto mr) {
+      fp32_item<decltype(mr)::value>(W + b * k_padded * kBlock, X + r0 * k, k, i0, i1,
+                                     part(c) + r0 * width + b * kBlock, width);
     });
   }
 #if defined(__AVX512F__)
@@ -211,18 +219,10 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
                   x.data_ptr<at::BFloat16>() + m * k, k * sizeof(uint16_t));
     const uint16_t* W = reinterpret_cast<const uint16_t*>(weight_ptr);
     const int64_t kk = (k + 1) / 2 * 2;  // K rounded up to whole pairs
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t it = begin; it < end; ++it) {
-        const int64_t b = it / n_chunks, c = it % n_chunks;
-        const int64_t i0 = c * chunk, i1 = std::min(kk, i0 + chunk);
-        for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-          by_rows(std::min(kTileRows, rows - r0), [&](auto mr) {
-            bf16_item<decltype(mr)::value>(W + b * k_padded * kBlock, x2.data() + r0 * pairs,
-                                           pairs, i0 / 2, i1 / 2,
-                                           part(c) + r0 * width + b * kBlock, width);
-          });
-        }
-      }
+    run_items(n_blocks, n_chunks, chunk, kk, rows, [&](int64_t b, int64_t c, int64_t i0,
+                                                       int64_t i1, int64_t r0, auto mr) {
+      bf16_item<decltype(mr)::value>(W + b * k_padded * kBlock, x2.data() + r0 * pairs, pairs,
+                                     i0 / 2, i1 / 2, part(c) + r0 * width + b * kBlock, width);
     });
   }
 #endif
