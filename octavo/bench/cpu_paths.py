@@ -16,7 +16,7 @@ next), so this benchmark runs octavo on each build this CPU can run, forcing the
    4 speculative drafts: 5 query tokens after 200-700 cached); bf16 on a CPU with AVX-512
    bf16 dot products twice, on them and widened to fp32 as on a CPU without them;
    **decode linears** (decode_linears.py): one decode step's linear layers, octavo's
-   packed_gemv against oneDNN on the same packed weights, 1 to 24 rows;
+   packed_gemv against oneDNN on the same packed weights, 1 to 64 rows;
 2. **single stream** (llama-bench's pp/tg shape: a 256-token prompt, 128 new tokens, greedy):
    prefill and generation tok/s, and a decode step split into the model's forward and the
    engine's own overhead (scheduling, batch preparation, sampling, output processing); on the
