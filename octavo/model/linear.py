@@ -11,10 +11,10 @@ and cast. Each packed layer is checked against `F.linear` on a random batch firs
 
 Decode-sized batches (up to `ops.packed_gemv_max_rows(dtype)` rows: with AVX-512 32 in fp32
 and 24 in bf16, with AVX2 16 in fp32) skip oneDNN's per-call set-up: octavo's `packed_gemv`
-(csrc/packed_gemv.cpp) reads the same packed buffer in place. Its layout is oneDNN's internal choice, so `gemv_layout` checks it for
-every shape and dtype by packing matrices that encode each weight's coordinates and comparing
-the buffer with the layout packed_gemv reads; any other layout (another oneDNN version or CPU)
-keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns it off (the benchmarks' A/B).
+(csrc/packed_gemv.cpp) reads the same packed buffer in place. Its layout is oneDNN's internal
+choice, so `gemv_layout` checks it for every shape and dtype by packing matrices that encode
+each weight's coordinates and comparing the buffer with the layout packed_gemv reads; any other
+layout (another oneDNN version or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns it off (the benchmarks' A/B).
 """
 
 from __future__ import annotations
