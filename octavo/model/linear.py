@@ -14,7 +14,8 @@ and 24 in bf16, with AVX2 16 in fp32) skip oneDNN's per-call set-up: octavo's `p
 (csrc/packed_gemv.cpp) reads the same packed buffer in place. Its layout is oneDNN's internal
 choice, so `gemv_layout` checks it for every shape and dtype by packing matrices that encode
 each weight's coordinates and comparing the buffer with the layout packed_gemv reads; any other
-layout (another oneDNN version or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns it off (the benchmarks' A/B).
+layout (another oneDNN version or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns
+it off (the benchmarks' A/B).
 """
 
 from __future__ import annotations
