@@ -21,8 +21,18 @@ LONG = {"prompt": "tell me a long story", "max_tokens": 480, "n": 4, "ignore_eos
         "temperature": 1.0}
 
 
-def test_disconnect_mid_stream_frees_everything(tiny_server: RunningServer) -> None:
+def test_disconnect_mid_stream_frees_everything(tiny_server: RunningServer,
+                                                monkeypatch) -> None:
     before = tiny_server.wait_idle()
+    # slowed steps: the tiny model could otherwise finish before the metrics are read
+    engine = tiny_server.engine.engine
+    real_step = engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
     with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json={**LONG, "stream": True},
                       timeout=30) as r:
         assert r.status_code == 200
