@@ -40,6 +40,18 @@ class RunningServer:
     def v1(self) -> str:
         return f"{self.url}/v1"
 
+    def slow_steps(self, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+        """Sleep `seconds` before each engine step, for tests that need requests in flight
+        (the tiny model can finish hundreds of tokens before a client's next call)."""
+        engine = self.engine.engine
+        real_step = engine.step
+
+        def slow_step():
+            time.sleep(seconds)
+            return real_step()
+
+        monkeypatch.setattr(engine, "step", slow_step)
+
     def metrics(self) -> dict[str, float]:
         """The server's /metrics as {name: value}, labels dropped (one model per server)."""
         return parse_metrics(httpx.get(f"{self.url}/metrics").text)

@@ -74,16 +74,7 @@ def test_idle_connections_past_the_cap_make_room_for_real_requests(guarded):
 
 def test_requests_in_flight_past_the_cap_get_503(tiny_llama_dir, monkeypatch):
     s = start_server(tiny_llama_dir, num_kv_blocks=64, limit_concurrency=2)
-    # the tiny model can stream 2 x 200 tokens before the third request arrives; slowing each
-    # engine step keeps both in flight
-    engine = s.engine.engine
-    real_step = engine.step
-
-    def slow_step():
-        time.sleep(0.01)
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", slow_step)
+    s.slow_steps(monkeypatch, 0.01)  # else 2 x 200 tokens can end before the third request
     try:
         body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as a, \

@@ -24,15 +24,7 @@ LONG = {"prompt": "tell me a long story", "max_tokens": 480, "n": 4, "ignore_eos
 def test_disconnect_mid_stream_frees_everything(tiny_server: RunningServer,
                                                 monkeypatch) -> None:
     before = tiny_server.wait_idle()
-    # slowed steps: the tiny model could otherwise finish before the metrics are read
-    engine = tiny_server.engine.engine
-    real_step = engine.step
-
-    def slow_step():
-        time.sleep(0.005)
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", slow_step)
+    tiny_server.slow_steps(monkeypatch, 0.005)  # else it can end before the metrics are read
     with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json={**LONG, "stream": True},
                       timeout=30) as r:
         assert r.status_code == 200
@@ -53,14 +45,7 @@ def test_disconnect_while_waiting_non_streaming(tiny_server: RunningServer, monk
     before = tiny_server.wait_idle()
     # The tiny model can finish 4 x 480 tokens within the client's timeout on a quiet
     # machine; slowing each engine step keeps the request in flight when the client leaves.
-    engine = tiny_server.engine.engine
-    real_step = engine.step
-
-    def slow_step():
-        time.sleep(0.01)
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", slow_step)
+    tiny_server.slow_steps(monkeypatch, 0.01)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{tiny_server.url}/v1/completions", json=LONG, timeout=0.5)
     after = tiny_server.wait_idle(timeout=5)
