@@ -103,6 +103,13 @@ def load_model(
     return model.eval()
 
 
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t's rows `rows`: t itself (no gather) where they are all its rows in order."""
+    if rows == list(range(len(t))):
+        return t
+    return t[torch.tensor(rows, dtype=torch.long, device=t.device)]
+
+
 @dataclass(slots=True)
 class StepLogits:
     # per chunk that samples, in plan order: one row, or with drafts one more per draft
@@ -296,8 +303,7 @@ class ModelRunner:
         else:
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache,
                                 inputs.metas, self.backend, logit_idx)
-        sampled = logits if sample_rows == list(range(len(wanted))) else \
-            logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        sampled = take_rows(logits, sample_rows)
         return StepLogits(sample=sampled,
                           prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows},
                           plan=plan)
@@ -351,9 +357,7 @@ class ModelRunner:
                 [s.num_prompt_tokens for s in states], self.config.vocab_size,
                 indices=[s.index for s in states], device=self.device, grammar=grammar,
             )
-            sample = logits.sample  # its rows as they are, unless some are not sampled
-            if rows != list(range(len(sample))):
-                sample = sample[torch.tensor(rows, dtype=torch.long, device=self.device)]
+            sample = take_rows(logits.sample, rows)
             custom = None
             procs = self.logits_processors
             if procs:
