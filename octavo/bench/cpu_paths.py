@@ -314,10 +314,11 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         "layers' linears and the LM head (weights from memory), oneDNN against octavo's "
         "packed_gemv on the same packed weights; the engine gives packed_gemv the rows marked:",
         "",
-        md_table(["isa", "dtype", "rows", "oneDNN ms", "packed_gemv ms", "x oneDNN",
+        md_table(["isa", "dtype", "kernel", "rows", "oneDNN ms", "packed_gemv ms", "x oneDNN",
                   "engine takes it"],
-                 [[r["isa"], r["dtype"], r["rows"], r["onednn_ms"], r["packed_gemv_ms"],
-                   r["x_onednn"], "yes" if r["engine_takes"] else "no"] for r in linears], 3),
+                 [[r["isa"], r["dtype"], r["kernel"], r["rows"], r["onednn_ms"],
+                   r["packed_gemv_ms"], r["x_onednn"], "yes" if r["engine_takes"] else "no"]
+                  for r in linears], 3),
         "",
         "Single stream, fp32 (prompt then greedy generation; a step split into the model's "
         "forward and the engine's overhead):",

@@ -3,7 +3,8 @@ against oneDNN on the same packed weights, for every linear layer of the model i
 its layers, so the weights come from memory as in a decode step: the four of each decoder layer
 and the LM head), per ISA build of octavo's ops, per dtype, at 1 to 64 rows. The engine gives
 packed_gemv the steps of up to `packed_gemv_max_rows(dtype)` rows; the rows above show where oneDNN
-takes over. oneDNN picks its own ISA from the CPU, whichever build of octavo's runs."""
+takes over. oneDNN picks its own ISA from the CPU, whichever build of octavo's runs (in bf16 with
+AMX, its AMX kernels; packed_gemv's AMX kernel is then measured against its vdpbf16ps one too)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,32 @@ def _step_ms(layers: list[PackedLinear], xs: dict[int, torch.Tensor]) -> float:
     return 1e3 * (time.perf_counter() - t)
 
 
+def _kernels(ops, packed: list[PackedLinear], dtype: torch.dtype) -> list[str]:
+    """packed_gemv's kernels for these layers, the engine's first: where oneDNN packs bf16 for
+    AMX (blocks of 32) and the CPU has it, AMX tiles and, as the A/B, vdpbf16ps."""
+    if dtype == torch.float32:
+        return ["fma"]
+    if ops.packed_gemv_has_amx() and all(p.gemv_block == 32 for p in packed):
+        return ["amx", "avx512_bf16"]
+    return ["avx512_bf16"]
+
+
+def _ab(packed: list[PackedLinear], shapes: list[tuple[int, int]], m: int, dtype: torch.dtype,
+        repeats: int, gen: torch.Generator) -> tuple[float, float]:
+    """(oneDNN, packed_gemv) medians of a step of `m` rows through every layer, interleaved."""
+    xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {s[1] for s in shapes}}
+    times: dict[str, list[float]] = {"onednn": [], "packed_gemv": []}
+    with torch.inference_mode():
+        for rep in range(repeats + 1):
+            for way in ("onednn", "packed_gemv"):
+                for p in packed:
+                    p.gemv_rows = 64 if way == "packed_gemv" else 0
+                ms = _step_ms(packed, xs)
+                if rep:  # the first of each is a warm-up
+                    times[way].append(ms)
+    return median(times["onednn"]), median(times["packed_gemv"])
+
+
 def decode_linear_rows(cfg: ModelConfig, isas: list[str], repeats: int,
                        layers: int | None = None) -> list[dict]:
     """ms of one step's linear layers at each row count, oneDNN and packed_gemv interleaved
@@ -65,20 +92,18 @@ def decode_linear_rows(cfg: ModelConfig, isas: list[str], repeats: int,
             if not all(p.use_gemv(ops) for p in packed):
                 continue  # a layout packed_gemv does not read: the engine keeps oneDNN
             engine_rows = ops.packed_gemv_max_rows(dtype)
-            for m in ROWS:
-                xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {s[1] for s in shapes}}
-                times: dict[str, list[float]] = {"onednn": [], "packed_gemv": []}
-                with torch.inference_mode():
-                    for rep in range(repeats + 1):
-                        for way in ("onednn", "packed_gemv"):
-                            for p in packed:
-                                p.gemv_rows = 64 if way == "packed_gemv" else 0
-                            ms = _step_ms(packed, xs)
-                            if rep:  # the first of each is a warm-up
-                                times[way].append(ms)
-                one, gemv = median(times["onednn"]), median(times["packed_gemv"])
-                rows_out.append({"isa": isa, "dtype": str(dtype).removeprefix("torch."),
-                                 "rows": m, "onednn_ms": one, "packed_gemv_ms": gemv,
-                                 "x_onednn": one / gemv, "engine_takes": m <= engine_rows})
+            kernels = _kernels(ops, packed, dtype)
+            for kernel in kernels:
+                amx_was = ops.packed_gemv_set_amx(kernel == "amx")
+                try:
+                    for m in ROWS:
+                        one, gemv = _ab(packed, shapes, m, dtype, repeats, gen)
+                        rows_out.append({"isa": isa, "dtype": str(dtype).removeprefix("torch."),
+                                         "kernel": kernel, "rows": m, "onednn_ms": one,
+                                         "packed_gemv_ms": gemv, "x_onednn": one / gemv,
+                                         "engine_takes": m <= engine_rows
+                                         and kernel == kernels[0]})
+                finally:
+                    ops.packed_gemv_set_amx(amx_was)
         del packed
     return rows_out

@@ -13,8 +13,9 @@ Decode-sized batches (up to `ops.packed_gemv_max_rows(dtype)` rows: with AVX-512
 and 24 in bf16, with AVX2 16 in fp32) skip oneDNN's per-call set-up: octavo's `packed_gemv`
 (csrc/packed_gemv.cpp) reads the same packed buffer in place. Its layout is oneDNN's internal
 choice, so `gemv_layout` checks it for every shape and dtype by packing matrices that encode
-each weight's coordinates and comparing the buffer with the layout packed_gemv reads; any other
-layout (another oneDNN version or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns
+each weight's coordinates and comparing the buffer with the layouts packed_gemv reads (blocks
+of 64 outputs; of 32 for bf16 where oneDNN uses AMX); any other layout (another oneDNN version
+or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns
 it off (the benchmarks' A/B).
 """
 
@@ -52,6 +53,7 @@ class PackedLinear(nn.Module):
         self.ops: Any = None
         self.gemv_rows = 0
         self.k_padded = 0
+        self.gemv_block = GEMV_BLOCKS[0]
         self.weight_ptr = 0
 
     def use_gemv(self, ops: Any) -> bool:
@@ -62,10 +64,10 @@ class PackedLinear(nn.Module):
                 or os.environ.get(GEMV_ENV_VAR, "1") == "0"
                 or ops.packed_gemv_max_rows(self.dtype) < 1):
             return False
-        k_padded = gemv_layout(self.out_features, self.in_features, self.dtype)
-        if k_padded is None:
+        layout = gemv_layout(self.out_features, self.in_features, self.dtype)
+        if layout is None:
             return False
-        self.ops, self.k_padded = ops, k_padded
+        self.ops, (self.k_padded, self.gemv_block) = ops, layout
         self.weight_ptr = torch.ops.mkldnn.data_ptr(self.packed)
         self.gemv_rows = ops.packed_gemv_max_rows(self.dtype)
         gen = torch.Generator().manual_seed(1)
@@ -87,26 +89,30 @@ class PackedLinear(nn.Module):
             self.ops, self.gemv_rows = None, 0
         return self.gemv_rows > 0
 
-    def gemv_args(self) -> tuple[int, int, int, int]:
-        """(weight pointer, N, Kp, rows) for the C++ decode loop's packed_gemv calls."""
+    def gemv_args(self) -> tuple[int, int, int, int, int]:
+        """(weight pointer, N, Kp, rows, block) for the C++ decode loop's packed_gemv calls."""
         if not self.gemv_rows:
-            return (0, 0, 0, 0)
-        return (self.weight_ptr, self.out_features, self.k_padded, self.gemv_rows)
+            return (0, 0, 0, 0, GEMV_BLOCKS[0])
+        return (self.weight_ptr, self.out_features, self.k_padded, self.gemv_rows,
+                self.gemv_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.shape[0] <= self.gemv_rows and x.dim() == 2:
             return self.ops.packed_gemv(x, self.weight_ptr, self.out_features, self.k_padded,
-                                        self.bias)
+                                        self.bias, self.gemv_block)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        gemv = f", packed_gemv up to {self.gemv_rows} rows" if self.gemv_rows else ""
+        gemv = (f", packed_gemv up to {self.gemv_rows} rows (blocks of {self.gemv_block})"
+                if self.gemv_rows else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"onednn{gemv}")
 
 
 GEMV_ENV_VAR = "OCTAVO_PACKED_GEMV"
-GEMV_BLOCK = 64  # outputs per block of the layout packed_gemv reads
+# outputs per block of the layouts packed_gemv reads: 64 (oneDNN's AVX2 and AVX-512 kernels),
+# 32 (bf16 where oneDNN uses AMX)
+GEMV_BLOCKS = (64, 32)
 
 
 def _packed_view(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -116,16 +122,16 @@ def _packed_view(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype)
 
 
-def gemv_layout_of(n: int, k: int, k_padded: int, dtype: torch.dtype,
-                   plain: torch.Tensor) -> torch.Tensor:
-    """`plain` [n, k] laid out as packed_gemv reads it: fp32 [ceil(n/64)][Kp][64], bf16
-    [ceil(n/64)][Kp/2][64][2], zeros in the padding."""
-    blocks = -(-n // GEMV_BLOCK)
-    padded = torch.zeros(blocks * GEMV_BLOCK, k_padded, dtype=plain.dtype)
+def gemv_layout_of(n: int, k: int, k_padded: int, dtype: torch.dtype, plain: torch.Tensor,
+                   block: int = GEMV_BLOCKS[0]) -> torch.Tensor:
+    """`plain` [n, k] laid out as packed_gemv reads it, in blocks of B = `block` outputs: fp32
+    [ceil(n/B)][Kp][B], bf16 [ceil(n/B)][Kp/2][B][2], zeros in the padding."""
+    blocks = -(-n // block)
+    padded = torch.zeros(blocks * block, k_padded, dtype=plain.dtype)
     padded[:n, :k] = plain
     if dtype == torch.bfloat16:
-        return padded.view(blocks, GEMV_BLOCK, k_padded // 2, 2).permute(0, 2, 1, 3).flatten()
-    return padded.view(blocks, GEMV_BLOCK, k_padded).permute(0, 2, 1).flatten()
+        return padded.view(blocks, block, k_padded // 2, 2).permute(0, 2, 1, 3).flatten()
+    return padded.view(blocks, block, k_padded).permute(0, 2, 1).flatten()
 
 
 def _digits(size: int, base: int) -> list[torch.Tensor]:
@@ -139,12 +145,14 @@ def _digits(size: int, base: int) -> list[torch.Tensor]:
 
 
 @cache
-def gemv_layout(n: int, k: int, dtype: torch.dtype) -> int | None:
-    """Kp where oneDNN packs an [n, k] weight of `dtype` in packed_gemv's layout, else None.
+def gemv_layout(n: int, k: int, dtype: torch.dtype) -> tuple[int, int] | None:
+    """(Kp, block) where oneDNN packs an [n, k] weight of `dtype` in one of packed_gemv's
+    layouts, else None.
 
     Checked, not assumed: matrices whose entries encode their row (and then their column)
     index, digit by digit in a base the dtype holds exactly (+ 1, so that padding's zeros
-    differ), are packed by oneDNN and compared with gemv_layout_of the same matrices."""
+    differ), are packed by oneDNN and compared with gemv_layout_of the same matrices, for each
+    block width whose size fits the buffer's."""
     if dtype not in (torch.float32, torch.bfloat16):
         return None
     try:
@@ -153,24 +161,27 @@ def gemv_layout(n: int, k: int, dtype: torch.dtype) -> int | None:
         return None
 
 
-def _checked_layout(n: int, k: int, dtype: torch.dtype) -> int | None:
-    blocks = -(-n // GEMV_BLOCK)
+def _checked_layout(n: int, k: int, dtype: torch.dtype) -> tuple[int, int] | None:
     esize = torch.empty((), dtype=dtype).element_size()
     nbytes = torch.ops.mkldnn._nbytes(torch.ops.mkldnn._reorder_linear_weight(
         torch.zeros(n, k, dtype=dtype)))
-    k_padded, rest = divmod(nbytes, blocks * GEMV_BLOCK * esize)
-    if rest or k_padded < k or (dtype == torch.bfloat16 and k_padded % 2):
-        return None
+    candidates = []  # (Kp, block) the buffer's size allows
+    for block in GEMV_BLOCKS:
+        k_padded, rest = divmod(nbytes, -(-n // block) * block * esize)
+        if not rest and k_padded >= k and not (dtype == torch.bfloat16 and k_padded % 2):
+            candidates.append((k_padded, block))
     base = 255 if dtype == torch.bfloat16 else 2**23  # 1..base are exact in the dtype
     for axis, size in ((0, n), (1, k)):
         for digits in _digits(size, base):
+            if not candidates:
+                return None
             vec = digits.to(dtype)
             plain = (vec[:, None] if axis == 0 else vec[None, :]).expand(n, k).contiguous()
             packed = torch.ops.mkldnn._reorder_linear_weight(plain)
-            if not torch.equal(_packed_view(packed, dtype),
-                               gemv_layout_of(n, k, k_padded, dtype, plain)):
-                return None
-    return k_padded
+            view = _packed_view(packed, dtype)
+            candidates = [(kp, block) for kp, block in candidates
+                          if torch.equal(view, gemv_layout_of(n, k, kp, dtype, plain, block))]
+    return candidates[0] if candidates else None
 
 
 def onednn_usable(dtype: torch.dtype) -> bool:

@@ -187,12 +187,15 @@ class ModelRunner:
         bf16_dot = (self.dtype == torch.bfloat16 and hasattr(kernel, "prefill_bf16_dot")
                     and kernel.prefill_bf16_dot())
         gemv = max((m.gemv_rows for m in modules if isinstance(m, PackedLinear)), default=0)
+        amx = any(isinstance(m, PackedLinear) and m.gemv_rows and m.gemv_block == 32
+                  for m in modules) and ops is not None and ops.packed_gemv_has_amx()
         return {"device": str(self.device), "dtype": self.dtype_choice.name,
                 "dtype_requested": self.args.dtype,
                 "isa": self.isa if compiled else "none",
                 "attention": type(self.backend).__name__, "linear": linear, "fused_ops": fused,
                 "prefill_bf16_dot": bool(bf16_dot),
-                "decode_gemv": f"packed_gemv <= {gemv} rows" if gemv else "off",
+                "decode_gemv": (f"packed_gemv <= {gemv} rows{' (AMX tiles)' if amx else ''}"
+                                if gemv else "off"),
                 "decode_loop": "c++" if self.model.decode_stack is not None else "python",
                 "cuda_graphs": "off" if self.graphs is None else
                 f"decode batches <= {self.graphs.buckets[-1]}",

@@ -172,7 +172,12 @@ def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> 
         (i, "float32") for i in gemv_isas}
     for r in linears:
         assert r["onednn_ms"] > 0 and r["packed_gemv_ms"] > 0
-        assert r["engine_takes"] == (r["rows"] <= max_rows(r["isa"], r["dtype"]))
+        # the engine's kernel comes first (bf16 with AMX: AMX tiles, then vdpbf16ps as the A/B)
+        first = next(x["kernel"] for x in linears if (x["isa"], x["dtype"]) == (r["isa"],
+                                                                             r["dtype"]))
+        assert r["kernel"] in (("fma",) if r["dtype"] == "float32" else ("amx", "avx512_bf16"))
+        assert r["engine_takes"] == (r["rows"] <= max_rows(r["isa"], r["dtype"])
+                                     and r["kernel"] == first)
     for r in res["mixed"]:
         if r["dtype"] == "bfloat16" and r["isa"] != "avx512":
             assert r["computes_in"] == "float32"  # no native bf16 on the forced-down paths

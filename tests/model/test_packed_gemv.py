@@ -13,7 +13,13 @@ from torch import nn
 from octavo.model import linear
 from octavo.model.cpu_isa import supported_isas
 from octavo.model.cpu_ops import load_cpu_ops
-from octavo.model.linear import PackedLinear, gemv_layout, gemv_layout_of, onednn_usable
+from octavo.model.linear import (
+    GEMV_BLOCKS,
+    PackedLinear,
+    gemv_layout,
+    gemv_layout_of,
+    onednn_usable,
+)
 
 pytestmark = pytest.mark.skipif(not onednn_usable(torch.float32) or load_cpu_ops() is None,
                                 reason="needs oneDNN and the compiled CPU ops")
@@ -38,9 +44,10 @@ def _dtypes(ops) -> list[torch.dtype]:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("bias", [False, True])
 def test_equals_f_linear_on_every_build(isa, shape, bias):
-    """The kernel on a buffer laid out as it reads (gemv_layout_of, K padded to 16 / 32 as
-    oneDNN pads it), whatever oneDNN does on this CPU; and on oneDNN's own buffer where the
-    layout check finds that layout."""
+    """The kernel on buffers laid out as it reads (gemv_layout_of in blocks of 64 and of 32
+    outputs, K padded to 16 / 32 as oneDNN pads it), whatever oneDNN does on this CPU; and on
+    oneDNN's own buffer where the layout check finds one of them. Every buffer gives the same
+    sums."""
     ops = load_cpu_ops(isa)
     want_rows = {"avx512": 32, "avx2": 16, "portable": 0}[isa]
     assert ops.packed_gemv_max_rows(torch.float32) == want_rows
@@ -52,21 +59,32 @@ def test_equals_f_linear_on_every_build(isa, shape, bias):
         bias_t = None if layer.bias is None else layer.bias.detach()
         pad = 32 if dtype == torch.bfloat16 else 16
         k_own = -(-k // pad) * pad
-        own = gemv_layout_of(n, k, k_own, dtype, layer.weight.detach())
-        buffers = [(own.data_ptr(), k_own)]
+        own = [gemv_layout_of(n, k, k_own, dtype, layer.weight.detach(), block)
+               for block in GEMV_BLOCKS]
+        buffers = [(buf.data_ptr(), k_own, block)
+                   for buf, block in zip(own, GEMV_BLOCKS, strict=True)]
         packed = PackedLinear(layer)
-        k_onednn = gemv_layout(n, k, dtype)
-        if k_onednn is not None:
-            buffers.append((torch.ops.mkldnn.data_ptr(packed.packed), k_onednn))
+        onednn_layout = gemv_layout(n, k, dtype)
+        if onednn_layout is not None:
+            buffers.append((torch.ops.mkldnn.data_ptr(packed.packed), *onednn_layout))
         for rows in (1, 2, 3, 4, 5, 6, 7, 13, 20):  # tiles of 6 rows (AVX-512) and the rest
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
             want = F.linear(x.double(), layer.weight.double(),
                             None if bias_t is None else bias_t.double())
-            results = [ops.packed_gemv(x, ptr, n, kp, bias_t) for ptr, kp in buffers]
-            for got in results:
+            amx_was = ops.packed_gemv_set_amx(False)
+            try:
+                results = [ops.packed_gemv(x, ptr, n, kp, bias_t, block)
+                           for ptr, kp, block in buffers]
+            finally:
+                ops.packed_gemv_set_amx(amx_was)
+            # and with AMX tiles (blocks of 32 in bf16, on a CPU with AMX)
+            amx = [ops.packed_gemv(x, ptr, n, kp, bias_t, block)
+                   for ptr, kp, block in buffers if block == 32]
+            for got in results + amx:
                 assert got.dtype == dtype and got.shape == (rows, n)
                 torch.testing.assert_close(got.double(), want, **TOL[dtype])
             assert all(torch.equal(r, results[0]) for r in results)  # the same sums
+            assert all(torch.equal(r, amx[0]) for r in amx)
 
 
 def test_a_row_does_not_depend_on_the_batch_or_the_threads():
@@ -84,6 +102,34 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads():
                 assert torch.equal(packed(x[r:r + 1]), batch[r:r + 1])
         finally:
             torch.set_num_threads(threads)
+
+
+def test_amx_tiles_agree_with_vdpbf16ps():
+    """Where oneDNN packs bf16 for AMX (blocks of 32) and the CPU has it, packed_gemv computes
+    with AMX tiles at every row count (1 to 64: tiles of up to 16 rows, as even as can be); its
+    sums differ from vdpbf16ps's only by rounding."""
+    ops = load_cpu_ops()
+    if not ops.packed_gemv_has_amx() or not onednn_usable(torch.bfloat16):
+        pytest.skip("no AMX here")
+    assert ops.packed_gemv_set_amx(True) is True  # on by default
+    for n, k in ((960, 576), (576, 1536), (100, 70), (130, 96)):
+        layer = _layer(n, k, torch.bfloat16, True)
+        kp, block = gemv_layout(n, k, torch.bfloat16) or (None, None)
+        packed = PackedLinear(layer)
+        if block != 32:
+            pytest.skip("oneDNN does not pack bf16 for AMX here")
+        ptr, bias_t = torch.ops.mkldnn.data_ptr(packed.packed), layer.bias.detach()
+        for rows in (1, 5, 16, 17, 40, 64):
+            x = torch.randn(rows, k).bfloat16()
+            tiles = ops.packed_gemv(x, ptr, n, kp, bias_t, 32)
+            assert ops.packed_gemv_set_amx(False) is True
+            try:
+                dots = ops.packed_gemv(x, ptr, n, kp, bias_t, 32)
+            finally:
+                assert ops.packed_gemv_set_amx(True) is False
+            want = F.linear(x.double(), layer.weight.double(), bias_t.double())
+            torch.testing.assert_close(tiles.double(), want, **TOL[torch.bfloat16])
+            torch.testing.assert_close(tiles.float(), dots.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_use_gemv_takes_small_batches_and_leaves_larger_ones_to_onednn(monkeypatch):
@@ -106,7 +152,8 @@ def test_use_gemv_takes_small_batches_and_leaves_larger_ones_to_onednn(monkeypat
     assert calls == ([1, rows] if rows else [])
     assert ("packed_gemv up to" in repr(packed)) == bool(rows)
     monkeypatch.setenv(linear.GEMV_ENV_VAR, "0")
-    assert not packed.use_gemv(ops) and packed.gemv_rows == 0 and packed.gemv_args() == (0,) * 4
+    assert not packed.use_gemv(ops) and packed.gemv_rows == 0
+    assert packed.gemv_args() == (0, 0, 0, 0, 64)
 
 
 def _weights(packed: PackedLinear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,8 +170,8 @@ def test_a_layout_it_does_not_read_keeps_onednn(monkeypatch):
         return view.view(2, -1).flip(0).flatten()
 
     layer = _layer(128, 64, torch.float32, False)
-    k_padded = gemv_layout(128, 64, torch.float32)
-    assert k_padded == 64  # the real layout passes
+    k_padded, block = gemv_layout(128, 64, torch.float32)
+    assert (k_padded, block) == (64, 64)  # the real layout passes
     plain = layer.weight.detach()
     assert torch.equal(real(PackedLinear(layer).packed, torch.float32),
                        gemv_layout_of(128, 64, k_padded, torch.float32, plain))
@@ -140,6 +187,26 @@ def test_a_layout_it_does_not_read_keeps_onednn(monkeypatch):
         gemv_layout.cache_clear()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_check_finds_blocks_of_32(monkeypatch, dtype):
+    """oneDNN packs bf16 in blocks of 32 outputs where it uses AMX (64 elsewhere): a buffer in
+    that layout (emulated here on any CPU) is found as (Kp, 32), and one in neither is not."""
+    if not onednn_usable(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} here")
+    n, k, k_padded = 192, 96, 96
+    monkeypatch.setattr(linear, "_packed_view", lambda packed, dt: gemv_layout_of(
+        n, k, k_padded, dt, packed.to_dense(), 32))
+    gemv_layout.cache_clear()
+    try:
+        assert gemv_layout(n, k, dtype) == (k_padded, 32)
+        monkeypatch.setattr(linear, "_packed_view", lambda packed, dt: gemv_layout_of(
+            n, k, k_padded, dt, packed.to_dense().flip(0), 32))
+        gemv_layout.cache_clear()
+        assert gemv_layout(n, k, dtype) is None
+    finally:
+        gemv_layout.cache_clear()
+
+
 def test_unsupported_calls_are_refused():
     ops = load_cpu_ops()
     if not ops.packed_gemv_max_rows(torch.float32):
@@ -147,11 +214,13 @@ def test_unsupported_calls_are_refused():
     packed = PackedLinear(_layer(64, 32, torch.float32, False))
     ptr = torch.ops.mkldnn.data_ptr(packed.packed)
     with pytest.raises(RuntimeError, match="1 to 64 rows"):
-        ops.packed_gemv(torch.randn(65, 32), ptr, 64, 32, None)
+        ops.packed_gemv(torch.randn(65, 32), ptr, 64, 32, None, 64)
     with pytest.raises(RuntimeError, match="Double is not computed"):
-        ops.packed_gemv(torch.randn(1, 32, dtype=torch.float64), ptr, 64, 32, None)
+        ops.packed_gemv(torch.randn(1, 32, dtype=torch.float64), ptr, 64, 32, None, 64)
     with pytest.raises(RuntimeError, match="bias must be"):
-        ops.packed_gemv(torch.randn(1, 32), ptr, 64, 32, torch.zeros(3))
+        ops.packed_gemv(torch.randn(1, 32), ptr, 64, 32, torch.zeros(3), 64)
+    with pytest.raises(RuntimeError, match="blocks of 64 or 32 outputs, got 16"):
+        ops.packed_gemv(torch.randn(1, 32), ptr, 64, 32, None, 16)
 
 
 def test_engine_with_packed_gemv_reports_it_and_matches_hf(tiny_llama_dir):

@@ -44,11 +44,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("wq"), py::arg("w_scale"), py::arg("bias"));
   m.def("packed_gemv", &packed_gemv,
         "x @ W^T (+ bias) for 1-64 rows, W read in place from oneDNN's packed layout",
-        py::arg("x"), py::arg("weight_ptr"), py::arg("n"), py::arg("k_padded"), py::arg("bias"));
+        py::arg("x"), py::arg("weight_ptr"), py::arg("n"), py::arg("k_padded"), py::arg("bias"),
+        py::arg("block"));
   m.def("packed_gemv_max_rows", &packed_gemv_max_rows,
         "the most rows of this dtype a model's layer gives packed_gemv here (0: none)",
         py::arg("dtype"));
   m.def("packed_gemv_supports", &packed_gemv_supports,
         "whether packed_gemv computes this dtype on this build and CPU", py::arg("dtype"));
+  m.def("packed_gemv_has_amx", &packed_gemv_has_amx,
+        "whether packed_gemv computes bf16 in oneDNN's AMX layout with AMX tiles here");
+  m.def("packed_gemv_set_amx", &packed_gemv_set_amx,
+        "let packed_gemv use AMX where it can (default) or not; returns the previous setting",
+        py::arg("enabled"));
   bind_decode_stack(m);
 }

@@ -23,8 +23,9 @@ struct Linear {
   c10::optional<at::Tensor> bias;
   int64_t kind = 0, group = 32;
   bool int8_activations = false;
-  // onednn: up to gemv_rows rows, packed_gemv reads the packed weight at gemv_ptr ([N, Kp])
-  int64_t gemv_ptr = 0, gemv_n = 0, gemv_kp = 0, gemv_rows = 0;
+  // onednn: up to gemv_rows rows, packed_gemv reads the packed weight at gemv_ptr ([N, Kp] in
+  // blocks of gemv_block outputs)
+  int64_t gemv_ptr = 0, gemv_n = 0, gemv_kp = 0, gemv_rows = 0, gemv_block = 64;
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (type) {
@@ -33,7 +34,9 @@ struct Linear {
                             t.size() > 2 ? c10::optional<at::Tensor>(t[2]) : c10::nullopt, group,
                             bias, int8_activations);
       case kOneDNN: {
-        if (x.size(0) <= gemv_rows) return packed_gemv(x, gemv_ptr, gemv_n, gemv_kp, bias);
+        if (x.size(0) <= gemv_rows) {
+          return packed_gemv(x, gemv_ptr, gemv_n, gemv_kp, bias, gemv_block);
+        }
         static const auto op =
             c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
         torch::jit::Stack stack{x, t[0], bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
@@ -82,10 +85,12 @@ class DecodeStack {
       Linear l = make_linear(a[0].cast<int64_t>(), a[1].cast<std::vector<at::Tensor>>(),
                              a[2].cast<c10::optional<at::Tensor>>(), a[3].cast<int64_t>(),
                              a[4].cast<int64_t>(), a[5].cast<bool>());
-      if (a.size() > 6) {  // (weight_ptr, n, k_padded, rows) of packed_gemv
+      if (a.size() > 6) {  // (weight_ptr, n, k_padded, rows, block) of packed_gemv
         const auto g = a[6].cast<std::vector<int64_t>>();
-        TORCH_CHECK(g.size() == 4, "packed_gemv arguments are (weight_ptr, n, k_padded, rows)");
+        TORCH_CHECK(g.size() == 5,
+                    "packed_gemv arguments are (weight_ptr, n, k_padded, rows, block)");
         l.gemv_ptr = g[0], l.gemv_n = g[1], l.gemv_kp = g[2], l.gemv_rows = g[3];
+        l.gemv_block = g[4];
       }
       return l;
     };
@@ -147,7 +152,7 @@ void bind_decode_stack(py::module& m) {
       .def("add_layer", &DecodeStack::add_layer,
            "one decoder layer: its norms' weights, its KV cache slot and its four linear layers "
            "as (type, tensors, bias, kind, group, int8_activations[, (weight_ptr, n, k_padded, "
-           "rows) of packed_gemv])")
+           "rows, block) of packed_gemv])")
       .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward,
            "every layer of an all-decode step: (last MLP output, residual)");

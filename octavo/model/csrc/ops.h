@@ -73,11 +73,16 @@ at::Tensor int8_mm(at::Tensor xq, at::Tensor wq);
 at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor w_scale,
                        c10::optional<at::Tensor> bias);
 
-// a linear layer of 1 to 64 rows read from oneDNN's packed weight (packed_gemv.cpp gives the
-// layout; linear.py checks it per shape): x [rows, K] float32 or bfloat16 -> [rows, N]
+// a linear layer of 1 to 64 rows read from oneDNN's packed weight in blocks of `block` (64 or
+// 32) outputs (packed_gemv.cpp gives the layout; linear.py checks it per shape):
+// x [rows, K] float32 or bfloat16 -> [rows, N]
 at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_padded,
-                       c10::optional<at::Tensor> bias);
+                       c10::optional<at::Tensor> bias, int64_t block);
 // the most rows of `dtype` this build gives packed_gemv in a model (0: none; oneDNN computes)
 int64_t packed_gemv_max_rows(at::ScalarType dtype);
 // whether this build computes `dtype` in packed_gemv on this CPU
 bool packed_gemv_supports(at::ScalarType dtype);
+// whether packed_gemv computes bf16 in oneDNN's AMX layout (blocks of 32) with AMX tiles here
+bool packed_gemv_has_amx();
+// let packed_gemv use AMX where it can (the default) or not; returns the previous setting
+bool packed_gemv_set_amx(bool enabled);

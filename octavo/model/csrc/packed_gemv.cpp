@@ -5,20 +5,25 @@
 // reads the same buffer, so the weights stay in memory once.
 //
 // The layout (oneDNN's brgemm blocking for these shapes; linear.py checks it for every shape
-// and dtype before a layer uses this kernel, and keeps oneDNN wherever it differs):
-//   fp32: [ceil(N/64)][Kp][64]        weight (n, k) at ((n/64) * Kp + k) * 64 + n%64
-//   bf16: [ceil(N/64)][Kp/2][64][2]   weight (n, k) at ((n/64) * Kp + k - k%2) * 64 + 2*(n%64) + k%2
-// with Kp >= K (padding holds zeros). Each block of 64 outputs is a contiguous run of Kp rows of
-// 64 weights: its outputs stay in registers while x's values are broadcast, one row at a time.
+// and dtype before a layer uses this kernel, and keeps oneDNN wherever it differs), in blocks
+// of B outputs, B = 64 (AVX2, AVX-512, AVX-512 bf16) or 32 (bf16 where oneDNN uses AMX):
+//   fp32: [ceil(N/B)][Kp][B]        weight (n, k) at ((n/B) * Kp + k) * B + n%B
+//   bf16: [ceil(N/B)][Kp/2][B][2]   weight (n, k) at ((n/B) * Kp + k - k%2) * B + 2*(n%B) + k%2
+// with Kp >= K (padding holds zeros). Each block of B outputs is a contiguous run of Kp rows of
+// B weights: its outputs stay in registers while x's values are broadcast, one row at a time.
 //
-// Work items are (block, K chunk), each over every row of the step in register tiles of a few
-// rows; the chunks are fixed by the shape alone (never by
-// the thread count), and their partial sums are added in chunk order, so a row's result does
-// not depend on the threads or on the other rows of the batch.
+// Work items are (64 outputs: one block of 64 or two of 32, K chunk), each over every row of the
+// step in register tiles of a few rows; the chunks are fixed by the shape alone (never by the
+// thread count), and their partial sums are added in chunk order, so a row's result does not
+// depend on the threads or on the other rows of the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -28,9 +33,10 @@
 namespace {
 
 using octavo::Vec;
-constexpr int64_t kBlock = 64;  // outputs per block of the packed layout
-// the cache lines 4 KB ahead of a block's current row are requested from memory: measured
-// 1.1-1.2x at 2-6 rows over the hardware prefetcher alone, the same at one row (AVX-512)
+constexpr int64_t kItem = 64;  // outputs per work item (one block of 64, or two of 32)
+// the cache lines 16 rows ahead of a block's current row (4 KB of a 64-block in fp32) are
+// requested from memory: measured 1.1-1.2x at 2-6 rows over the hardware prefetcher alone, the
+// same at one row (AVX-512)
 constexpr int64_t kAhead = 16;
 
 // rows computed together (a register tile): 6 rows x 4 zmm accumulators + 6 broadcasts + 1 load
@@ -42,7 +48,8 @@ constexpr int64_t kTileRows = Vec::L == 16 ? 6 : 1;
 // the most rows of a step the engine gives packed_gemv (packed_gemv_max_rows), measured against
 // oneDNN on the embedded model's layers (BENCHMARKS.md section 8): AVX-512 fp32 1.1-1.3x up to
 // 16 rows, 1.0-1.15x at 24-32, 0.98-1.1x at 64 (2 threads); bf16 1.1-1.5x up to 24 rows, 0.9x
-// from 48; AVX2 (against oneDNN held to AVX2) 1.1-1.4x up to 16 rows, 0.9x at 24
+// from 48 (with AMX, against oneDNN's AMX kernels: 1.1x at 24, see amx_item); AVX2 (against
+// oneDNN held to AVX2) 1.1-1.4x up to 16 rows, 0.9x at 24
 #if defined(__AVX512F__)
 constexpr int64_t kMaxRowsFp32 = 32, kMaxRowsBf16 = 24;
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -52,77 +59,192 @@ constexpr int64_t kMaxRowsFp32 = 0, kMaxRowsBf16 = 0;  // portable: oneDNN compu
 #endif
 constexpr int64_t kCallRows = 64;  // the most rows one call takes
 
-// The K chunks of a layer: one chunk where there are blocks enough to spread over the threads,
-// else chunks of about 128 rows (a multiple of 16, dividing K's 16-row units evenly), so that
-// a layer of a few blocks still keeps every thread busy.
-int64_t chunk_rows(int64_t n_blocks, int64_t k) {
-  const int64_t units = (k + 15) / 16;
-  if (n_blocks >= 64 || units <= 8) return units * 16;
-  int64_t chunks = (units + 7) / 8;
+// The K chunks of a layer: one chunk where there are items enough to spread over the threads,
+// else chunks of about 128 rows (a multiple of `unit` rows, dividing K's units evenly), so that
+// a layer of a few blocks still keeps every thread busy. unit: 16 in fp32, 32 in bf16 (an AMX
+// tile holds 32 rows of K; bf16 in blocks of 64 or of 32 is summed in the same chunks).
+int64_t chunk_rows(int64_t n_items, int64_t k, int64_t unit) {
+  const int64_t units = (k + unit - 1) / unit, per_chunk = 128 / unit;
+  if (n_items >= 64 || units <= per_chunk) return units * unit;
+  int64_t chunks = (units + per_chunk - 1) / per_chunk;
   while (units % chunks) ++chunks;
-  return units / chunks * 16;
+  return units / chunks * unit;
 }
 
-// M rows of x (fp32, row stride ldx) times one block over K rows i0..i1-1 (w: the block's
-// first row), into part (row stride ldp)
+// M rows of x (fp32, row stride ldx) times one item of S blocks of B outputs over K rows
+// i0..i1-1 (w: the item's first block, kp: a block's rows), into part (row stride ldp)
 // (its small loops are unrolled on request: without that, GCC kept the AVX2 build's
 // accumulators on the stack, 2x slower)
-template <int M>
-void fp32_item(const float* w, const float* x, int64_t ldx, int64_t i0, int64_t i1, float* part,
-               int64_t ldp) {
-  constexpr int V = kBlock / Vec::L;
-  Vec acc[M][V];
+template <int M, int B, int S>
+void fp32_item(const float* w, int64_t kp, const float* x, int64_t ldx, int64_t i0, int64_t i1,
+               float* part, int64_t ldp) {
+  constexpr int V = B / Vec::L;  // vectors per block row
+  Vec acc[M][S * V];
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) acc[m][v] = Vec::zero();
-  const float* wr = w + i0 * kBlock;
-  for (int64_t i = i0; i < i1; ++i, wr += kBlock) {
+    for (int v = 0; v < S * V; ++v) acc[m][v] = Vec::zero();
+  const float* wr[S];
+#pragma GCC unroll 2
+  for (int s = 0; s < S; ++s) wr[s] = w + (s * kp + i0) * B;
+  for (int64_t i = i0; i < i1; ++i) {
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s)
 #pragma GCC unroll 4
-    for (int c = 0; c < kBlock; c += 16) __builtin_prefetch(wr + kAhead * kBlock + c, 0, 3);
+      for (int c = 0; c < B; c += 16) __builtin_prefetch(wr[s] + kAhead * B + c, 0, 3);
     Vec xb[M];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) xb[m] = Vec::set1(x[m * ldx + i]);
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s) {
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) {
-      const Vec wv = Vec::load(wr + v * Vec::L);
+      for (int v = 0; v < V; ++v) {
+        const Vec wv = Vec::load(wr[s] + v * Vec::L);
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[m][v] = fma(wv, xb[m], acc[m][v]);
+        for (int m = 0; m < M; ++m) acc[m][s * V + v] = fma(wv, xb[m], acc[m][s * V + v]);
+      }
+      wr[s] += B;
     }
   }
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) acc[m][v].store(part + m * ldp + v * Vec::L);
+    for (int v = 0; v < S * V; ++v) acc[m][v].store(part + m * ldp + v * Vec::L);
 }
 
 #if defined(__AVX512F__)
 inline bool cpu_has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
 
 // bf16: x2 holds each row's values as (x[2p], x[2p+1]) pairs (Kp/2 words per row); a pair of
-// weight rows of a block is 4 zmm of (w[2p][n], w[2p+1][n]), and vdpbf16ps adds both products
-template <int M>
-__attribute__((target("avx512bf16"))) void bf16_item(const uint16_t* w, const uint32_t* x2,
-                                                     int64_t ldx2, int64_t p0, int64_t p1,
-                                                     float* part, int64_t ldp) {
-  __m512 acc[M][4];
+// weight rows of a block is B/16 zmm of (w[2p][n], w[2p+1][n]), and vdpbf16ps adds both products
+template <int M, int B, int S>
+__attribute__((target("avx512bf16"))) void bf16_item(const uint16_t* w, int64_t kp,
+                                                     const uint32_t* x2, int64_t ldx2, int64_t p0,
+                                                     int64_t p1, float* part, int64_t ldp) {
+  constexpr int V = B / 16;  // zmm per pair of block rows
+  __m512 acc[M][S * V];
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
-  const uint16_t* wr = w + p0 * 2 * kBlock;
-  for (int64_t p = p0; p < p1; ++p, wr += 2 * kBlock) {
-    for (int c = 0; c < 2 * kBlock; c += 32) __builtin_prefetch(wr + kAhead * kBlock + c, 0, 3);
+    for (int v = 0; v < S * V; ++v) acc[m][v] = _mm512_setzero_ps();
+  const uint16_t* wr[S];
+  for (int s = 0; s < S; ++s) wr[s] = w + (s * kp + 2 * p0) * B;
+  for (int64_t p = p0; p < p1; ++p) {
+    for (int s = 0; s < S; ++s)
+      for (int c = 0; c < 2 * B; c += 32) __builtin_prefetch(wr[s] + kAhead * B + c, 0, 3);
     __m512bh xb[M];
     for (int m = 0; m < M; ++m)
       xb[m] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x2[m * ldx2 + p]));
-    for (int v = 0; v < 4; ++v) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + v * 32);
-      for (int m = 0; m < M; ++m) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb[m], wv);
+    for (int s = 0; s < S; ++s) {
+      for (int v = 0; v < V; ++v) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr[s] + v * 32);
+        for (int m = 0; m < M; ++m)
+          acc[m][s * V + v] = _mm512_dpbf16_ps(acc[m][s * V + v], xb[m], wv);
+      }
+      wr[s] += 2 * B;
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(part + m * ldp + v * 16, acc[m][v]);
+    for (int v = 0; v < S * V; ++v) _mm512_storeu_ps(part + m * ldp + v * 16, acc[m][v]);
+}
+
+// the first n - n % 16 of n floats to bf16 (vcvtneps2bf16: nearest even); returns how many
+__attribute__((target("avx512bf16"))) int64_t to_bf16_avx512(const float* s, at::BFloat16* o,
+                                                              int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
+  return j;
+}
+
+// AMX (bf16 where oneDNN packs blocks of 32 outputs for its own AMX kernels): a tile of up to
+// 16 rows of x (32 bf16 of K each) times a tile of 16 pairs of K rows x 16 outputs of a block,
+// the outputs' sums in fp32 tiles. Where it runs it takes every row count (from 1): its sums
+// differ from vdpbf16ps's in the last bit now and then, and a row's result must not depend on
+// how many rows its step has. Measured on the embedded model's layers (Xeon with AMX, 1 thread,
+// BENCHMARKS.md section 8): 1.3x oneDNN at 1-4 rows, 1.1x at 16-24, 1.0x at 32, 0.6x at 64;
+// 0.94x bf16_item at 1 row, 1.4x at 8, 2.6x at 24.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// whether this CPU runs AMX bf16 and Linux lets this process use its tile registers
+bool cpu_has_amx() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // arch_prctl, asm/prctl.h
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+std::atomic<bool> amx_enabled{true};  // packed_gemv_set_amx: the benchmarks' and tests' A/B
+constexpr int64_t kAmxAhead = 32;            // pairs of K rows prefetched ahead
+
+// tiles 0-3: sums of the item's (up to) 4 x 16 outputs for `rows` rows of x; 4: those rows of
+// x; 5: weights (16 pairs of K rows); every tile row 64 bytes
+__attribute__((target("amx-tile,amx-bf16"))) void amx_configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = t == 5 ? 16 : rows;
+  // not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes, and the stores above
+  // were dropped (a #GP on ldtilecfg)
+  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_release() { _tile_release(); }
+
+// a tile of rows of x (bf16, row stride ldx elements, K zero-padded to Kp) times one item of S
+// blocks of 32 outputs over pairs p0..p1-1 (multiples of 16), into part (row stride ldp)
+// (GCC 12's tileloadd does not tell the compiler it reads memory: x and w are written before
+// the parallel region that calls this, never inside it)
+template <int S>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_item(const uint16_t* w, int64_t kp,
+                                                          const uint16_t* x, int64_t ldx,
+                                                          int64_t p0, int64_t p1, float* part,
+                                                          int64_t ldp) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (S == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const uint16_t* w0 = w + p0 * 64;  // a pair of K rows of a block: 32 outputs x 2
+  const uint16_t* w1 = w0 + kp * 32;
+  for (int64_t p = p0; p < p1; p += 16, w0 += 16 * 64, w1 += 16 * 64) {
+    // the 2 KB of each block kAmxAhead pairs ahead
+    for (int c = 0; c < 16 * 64; c += 32) {
+      __builtin_prefetch(w0 + kAmxAhead * 64 + c, 0, 3);
+      if constexpr (S == 2) __builtin_prefetch(w1 + kAmxAhead * 64 + c, 0, 3);
+    }
+    _tile_loadd(4, x + 2 * p, ldx * 2);
+    _tile_loadd(5, w0, 128);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, w0 + 32, 128);
+    _tile_dpbf16ps(1, 4, 5);
+    if constexpr (S == 2) {
+      _tile_loadd(5, w1, 128);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, w1 + 32, 128);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, part, ldp * 4);
+  _tile_stored(1, part + 16, ldp * 4);
+  if constexpr (S == 2) {
+    _tile_stored(2, part + 32, ldp * 4);
+    _tile_stored(3, part + 48, ldp * 4);
+  }
 }
 #endif
+
+// n floats to bf16, rounded to nearest even as at::BFloat16 does
+void to_bf16(const float* s, at::BFloat16* o, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if (cpu_has_bf16_dot()) j = to_bf16_avx512(s, o, n);
+#endif
+  for (; j < n; ++j) o[j] = at::BFloat16(s[j]);
+}
 
 // f(integral_constant<M>) for a tile of m rows (1..kTileRows)
 template <class F>
@@ -139,13 +261,26 @@ void by_rows(int64_t m, F&& f) {
   }
 }
 
-// every (block, K chunk) item over the threads (contiguous ranges: each thread streams one
+// f(integral_constant<B>, integral_constant<S>) for an item of S blocks of B outputs, where
+// `left` blocks of the layer are left from the item's first (an odd count of 32s ends in one)
+template <class F>
+void by_blocks(int64_t block, int64_t left, F&& f) {
+  if (block == 64) {
+    f(std::integral_constant<int, 64>{}, std::integral_constant<int, 1>{});
+  } else if (left >= 2) {
+    f(std::integral_constant<int, 32>{}, std::integral_constant<int, 2>{});
+  } else {
+    f(std::integral_constant<int, 32>{}, std::integral_constant<int, 1>{});
+  }
+}
+
+// every (64 outputs, K chunk) item over the threads (contiguous ranges: each thread streams one
 // part of the buffer), and in each item every tile of rows: f(block, chunk, K rows i0..i1-1,
 // the tile's first row, integral_constant<rows in the tile>); k_end: where K's rows end
 template <class F>
-void run_items(int64_t n_blocks, int64_t n_chunks, int64_t chunk, int64_t k_end, int64_t rows,
+void run_items(int64_t n_items, int64_t n_chunks, int64_t chunk, int64_t k_end, int64_t rows,
                F&& f) {
-  at::parallel_for(0, n_blocks * n_chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_items * n_chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / n_chunks, c = it % n_chunks;
       const int64_t i0 = c * chunk, i1 = std::min(k_end, i0 + chunk);
@@ -165,13 +300,29 @@ bool packed_gemv_supports(at::ScalarType dtype) {
   return false;
 }
 
+bool packed_gemv_has_amx() {
+#if defined(__AVX512F__)
+  return cpu_has_amx();
+#else
+  return false;
+#endif
+}
+
+bool packed_gemv_set_amx(bool enabled) {
+#if defined(__AVX512F__)
+  return amx_enabled.exchange(enabled);
+#else
+  return false;
+#endif
+}
+
 int64_t packed_gemv_max_rows(at::ScalarType dtype) {
   if (!packed_gemv_supports(dtype)) return 0;
   return dtype == at::kFloat ? kMaxRowsFp32 : kMaxRowsBf16;
 }
 
 at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_padded,
-                       c10::optional<at::Tensor> bias) {
+                       c10::optional<at::Tensor> bias, int64_t block) {
   TORCH_CHECK(x.dim() == 2, "packed_gemv: x must be [rows, K], got ", x.sizes());
   TORCH_CHECK(packed_gemv_supports(x.scalar_type()), "packed_gemv: ", x.scalar_type(),
               " is not computed by this build on this CPU");
@@ -179,6 +330,7 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
   TORCH_CHECK(rows >= 1 && rows <= kCallRows, "packed_gemv: 1 to ", kCallRows, " rows, got ",
               rows);
   TORCH_CHECK(weight_ptr != 0 && n > 0 && k_padded >= k, "packed_gemv: bad weight geometry");
+  TORCH_CHECK(block == 64 || block == 32, "packed_gemv: blocks of 64 or 32 outputs, got ", block);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(!bf16 || k_padded % 2 == 0, "packed_gemv: bf16 rows come in pairs");
   if (bias) {
@@ -186,66 +338,110 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
                 "packed_gemv: bias must be [N] in x's dtype");
   }
   x = x.contiguous();
-  const int64_t n_blocks = (n + kBlock - 1) / kBlock, width = n_blocks * kBlock;
-  const int64_t chunk = chunk_rows(n_blocks, k), n_chunks = (k + chunk - 1) / chunk;
+  const int64_t n_blocks = (n + block - 1) / block, width = n_blocks * block;
+  const int64_t per_item = kItem / block, n_items = (n_blocks + per_item - 1) / per_item;
+#if defined(__AVX512F__)
+  // blocks of 32 in bf16: oneDNN's AMX layout, whose K is padded to whole tiles of 32
+  const bool amx = bf16 && block == 32 && k_padded % 32 == 0 && cpu_has_amx() &&
+                   amx_enabled.load(std::memory_order_relaxed);
+#else
+  const bool amx = false;
+#endif
+  const int64_t chunk = chunk_rows(n_items, k, bf16 ? 32 : 16);
+  const int64_t n_chunks = (k + chunk - 1) / chunk;
+  // AMX: tiles of mt rows (at most 16, as even as can be), x zero-padded to prows
+  const int64_t mt = amx ? (rows + (rows + 15) / 16 - 1) / ((rows + 15) / 16) : rows;
+  const int64_t prows = amx ? (rows + mt - 1) / mt * mt : rows;
   auto out = at::empty({rows, n}, x.options());
   // partial sums [chunk][row][width]: chunk 0's straight into out where that is fp32 of whole
   // blocks, the others in this thread's scratch (kept between calls: no allocation, no zeroing)
   const bool direct = !bf16 && n == width;
   thread_local std::vector<float> scratch;
-  const size_t need = static_cast<size_t>((n_chunks - direct) * rows * width);
+  const size_t need = static_cast<size_t>((n_chunks - direct) * prows * width);
   if (scratch.size() < need) scratch.resize(need);
   float* const S = scratch.data();
   float* const O = direct ? out.data_ptr<float>() : nullptr;
   auto part = [&](int64_t c) {
-    return direct && c == 0 ? O : S + (c - direct) * rows * width;
+    return direct && c == 0 ? O : S + (c - direct) * prows * width;
   };
   if (!bf16) {
     const float* W = reinterpret_cast<const float*>(weight_ptr);
     const float* X = x.data_ptr<float>();
-    run_items(n_blocks, n_chunks, chunk, k, rows, [&](int64_t b, int64_t c, int64_t i0,
-                                                      int64_t i1, int64_t r0, auto mr) {
-      fp32_item<decltype(mr)::value>(W + b * k_padded * kBlock, X + r0 * k, k, i0, i1,
-                                     part(c) + r0 * width + b * kBlock, width);
+    run_items(n_items, n_chunks, chunk, k, rows, [&](int64_t it, int64_t c, int64_t i0,
+                                                     int64_t i1, int64_t r0, auto mr) {
+      by_blocks(block, n_blocks - it * per_item, [&](auto bw, auto sb) {
+        fp32_item<decltype(mr)::value, decltype(bw)::value, decltype(sb)::value>(
+            W + it * per_item * k_padded * block, k_padded, X + r0 * k, k, i0, i1,
+            part(c) + r0 * width + it * kItem, width);
+      });
     });
   }
 #if defined(__AVX512F__)
   else {
-    // x as bf16 pairs, zero-padded to Kp (an odd K's last pair)
+    // x as bf16 pairs, zero-padded to Kp (an odd K's last pair) and, for AMX, to whole tiles
+    // of 16 rows
     const int64_t pairs = k_padded / 2;
-    std::vector<uint32_t> x2(static_cast<size_t>(rows * pairs), 0u);
+    std::vector<uint32_t> x2(static_cast<size_t>(prows * pairs), 0u);
     for (int64_t m = 0; m < rows; ++m)
       std::memcpy(reinterpret_cast<uint16_t*>(x2.data() + m * pairs),
                   x.data_ptr<at::BFloat16>() + m * k, k * sizeof(uint16_t));
     const uint16_t* W = reinterpret_cast<const uint16_t*>(weight_ptr);
-    const int64_t kk = (k + 1) / 2 * 2;  // K rounded up to whole pairs
-    run_items(n_blocks, n_chunks, chunk, kk, rows, [&](int64_t b, int64_t c, int64_t i0,
-                                                       int64_t i1, int64_t r0, auto mr) {
-      bf16_item<decltype(mr)::value>(W + b * k_padded * kBlock, x2.data() + r0 * pairs, pairs,
-                                     i0 / 2, i1 / 2, part(c) + r0 * width + b * kBlock, width);
-    });
+    if (amx) {
+      const int64_t k_end = (k + 31) / 32 * 32;  // K in whole tiles (Kp's padding is zeros)
+      const uint16_t* X2 = reinterpret_cast<const uint16_t*>(x2.data());
+      at::parallel_for(0, n_items * n_chunks, 1, [&](int64_t begin, int64_t end) {
+        amx_configure(static_cast<int>(mt));
+        for (int64_t it = begin; it < end; ++it) {
+          const int64_t b = it / n_chunks, c = it % n_chunks;
+          const int64_t i0 = c * chunk, i1 = std::min(k_end, i0 + chunk);
+          const uint16_t* wb = W + b * per_item * k_padded * block;
+          const bool two = n_blocks - b * per_item >= 2;
+          for (int64_t r0 = 0; r0 < prows; r0 += mt) {
+            float* dst = part(c) + r0 * width + b * kItem;
+            const uint16_t* xr = X2 + r0 * k_padded;
+            if (two) {
+              amx_item<2>(wb, k_padded, xr, k_padded, i0 / 2, i1 / 2, dst, width);
+            } else {
+              amx_item<1>(wb, k_padded, xr, k_padded, i0 / 2, i1 / 2, dst, width);
+            }
+          }
+        }
+        amx_release();
+      });
+    } else {
+      const int64_t kk = (k + 1) / 2 * 2;  // K rounded up to whole pairs
+      run_items(n_items, n_chunks, chunk, kk, rows, [&](int64_t it, int64_t c, int64_t i0,
+                                                        int64_t i1, int64_t r0, auto mr) {
+        by_blocks(block, n_blocks - it * per_item, [&](auto bw, auto sb) {
+          bf16_item<decltype(mr)::value, decltype(bw)::value, decltype(sb)::value>(
+              W + it * per_item * k_padded * block, k_padded, x2.data() + r0 * pairs, pairs,
+              i0 / 2, i1 / 2, part(c) + r0 * width + it * kItem, width);
+        });
+      });
+    }
   }
 #endif
-  // out = the chunks' sums in chunk order (+ bias), in x's dtype
+  // out = the chunks' sums in chunk order (+ bias), in x's dtype; rows over the threads
   at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* B = bias ? b32.data_ptr<float>() : nullptr;
-  for (int64_t m = 0; m < rows; ++m) {
-    float* s = part(0) + m * width;
-    for (int64_t c = 1; c < n_chunks; ++c) {
-      const float* t = part(c) + m * width;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* s = part(0) + m * width;
+      for (int64_t c = 1; c < n_chunks; ++c) {
+        const float* t = part(c) + m * width;
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) s[j] += t[j];
-    }
-    if (bias) {
+        for (int64_t j = 0; j < n; ++j) s[j] += t[j];
+      }
+      if (bias) {
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) s[j] += B[j];
+        for (int64_t j = 0; j < n; ++j) s[j] += B[j];
+      }
+      if (bf16) {
+        to_bf16(s, out.data_ptr<at::BFloat16>() + m * n, n);
+      } else if (!direct) {
+        std::memcpy(out.data_ptr<float>() + m * n, s, n * sizeof(float));
+      }
     }
-    if (bf16) {
-      at::BFloat16* o = out.data_ptr<at::BFloat16>() + m * n;
-      for (int64_t j = 0; j < n; ++j) o[j] = at::BFloat16(s[j]);
-    } else if (!direct) {
-      std::memcpy(out.data_ptr<float>() + m * n, s, n * sizeof(float));
-    }
-  }
+  });
   return out;
 }
