@@ -15,8 +15,8 @@ and 24 in bf16, with AVX2 16 in fp32) skip oneDNN's per-call set-up: octavo's `p
 choice, so `gemv_layout` checks it for every shape and dtype by packing matrices that encode
 each weight's coordinates and comparing the buffer with the layouts packed_gemv reads (blocks
 of 64 outputs; of 32 for bf16 where oneDNN uses AMX); any other layout (another oneDNN version
-or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns
-it off (the benchmarks' A/B).
+or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns it off (the benchmarks' A/B),
+OCTAVO_PACKED_GEMV=N gives it steps of at most N rows.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class PackedLinear(nn.Module):
         """Let `ops.packed_gemv` compute batches of up to its max rows where it reads this
         layer's packed layout (checked, see gemv_layout); returns whether it does."""
         self.ops, self.gemv_rows = None, 0
-        if (ops is None or not hasattr(ops, "packed_gemv")
-                or os.environ.get(GEMV_ENV_VAR, "1") == "0"
+        limit = gemv_row_limit()
+        if (ops is None or not hasattr(ops, "packed_gemv") or limit == 0
                 or ops.packed_gemv_max_rows(self.dtype) < 1):
             return False
         layout = gemv_layout(self.out_features, self.in_features, self.dtype)
@@ -69,7 +69,7 @@ class PackedLinear(nn.Module):
             return False
         self.ops, (self.k_padded, self.gemv_block) = ops, layout
         self.weight_ptr = torch.ops.mkldnn.data_ptr(self.packed)
-        self.gemv_rows = ops.packed_gemv_max_rows(self.dtype)
+        self.gemv_rows = min(ops.packed_gemv_max_rows(self.dtype), limit or 64)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(2, self.in_features, generator=gen).to(self.dtype)
         try:
@@ -109,7 +109,17 @@ class PackedLinear(nn.Module):
                 f"onednn{gemv}")
 
 
-GEMV_ENV_VAR = "OCTAVO_PACKED_GEMV"
+GEMV_ENV_VAR = "OCTAVO_PACKED_GEMV"  # 0: off; N: at most N rows; unset: the kernel's limit
+
+
+def gemv_row_limit() -> int | None:
+    """OCTAVO_PACKED_GEMV as a row limit (0: packed_gemv off; None: no limit of the user's)."""
+    value = os.environ.get(GEMV_ENV_VAR, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{GEMV_ENV_VAR} must be 0 (off) or a number of rows, got {value!r}")
+    return int(value)
 # outputs per block of the layouts packed_gemv reads: 64 (oneDNN's AVX2 and AVX-512 kernels),
 # 32 (bf16 where oneDNN uses AMX)
 GEMV_BLOCKS = (64, 32)

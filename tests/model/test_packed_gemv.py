@@ -132,6 +132,32 @@ def test_amx_tiles_agree_with_vdpbf16ps():
             torch.testing.assert_close(tiles.float(), dots.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_amx_tiles_leave_onednn_intact():
+    """packed_gemv loads its own tile configuration and releases the tiles on every thread;
+    oneDNN's AMX kernels, called in between, give the same bits as without it."""
+    ops = load_cpu_ops()
+    if not ops.packed_gemv_has_amx() or not onednn_usable(torch.bfloat16):
+        pytest.skip("no AMX here")
+    layers = [PackedLinear(_layer(n, k, torch.bfloat16, True)) for n, k in ((960, 576),
+                                                                             (576, 1536))]
+    if not all(p.use_gemv(ops) and p.gemv_block == 32 for p in layers):
+        pytest.skip("oneDNN does not pack bf16 for AMX here")
+
+    def onednn(p, x):
+        return torch.ops.mkldnn._linear_pointwise(x, p.packed, p.bias, "none", [], "")
+
+    xs = [torch.randn(m, p.in_features).bfloat16() for p in layers for m in (1, 16, 40, 100)]
+    want = [onednn(p, x) for p in layers for x in xs if x.shape[1] == p.in_features]
+    for _ in range(2):
+        got = []
+        for p in layers:
+            for x in xs:
+                if x.shape[1] == p.in_features:
+                    p(x[:1]), p(x[:3])  # packed_gemv on AMX tiles in between
+                    got.append(onednn(p, x))
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_use_gemv_takes_small_batches_and_leaves_larger_ones_to_onednn(monkeypatch):
     ops = load_cpu_ops()
     packed = PackedLinear(_layer(300, 200, torch.float32, True))
@@ -154,6 +180,11 @@ def test_use_gemv_takes_small_batches_and_leaves_larger_ones_to_onednn(monkeypat
     monkeypatch.setenv(linear.GEMV_ENV_VAR, "0")
     assert not packed.use_gemv(ops) and packed.gemv_rows == 0
     assert packed.gemv_args() == (0, 0, 0, 0, 64)
+    monkeypatch.setenv(linear.GEMV_ENV_VAR, "3")  # a row limit of the user's
+    assert packed.use_gemv(ops) == bool(rows) and packed.gemv_rows == min(rows, 3)
+    monkeypatch.setenv(linear.GEMV_ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="OCTAVO_PACKED_GEMV must be 0 .off. or a number"):
+        packed.use_gemv(ops)
 
 
 def _weights(packed: PackedLinear) -> tuple[torch.Tensor, torch.Tensor | None]:
