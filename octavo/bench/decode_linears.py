@@ -91,7 +91,7 @@ def decode_linear_rows(cfg: ModelConfig, isas: list[str], repeats: int,
         for isa, ops in builds:
             if not all(p.use_gemv(ops) for p in packed):
                 continue  # a layout packed_gemv does not read: the engine keeps oneDNN
-            engine_rows = ops.packed_gemv_max_rows(dtype)
+            engine_rows = ops.packed_gemv_max_rows(dtype, packed[0].gemv_block)
             kernels = _kernels(ops, packed, dtype)
             for kernel in kernels:
                 amx_was = ops.packed_gemv_set_amx(kernel == "amx")

@@ -9,14 +9,14 @@ the model's shapes, and up to 1.6x in bf16 for small decode batches; see BENCHMA
 and cast. Each packed layer is checked against `F.linear` on a random batch first; any failure
 (no oneDNN, an unsupported dtype) keeps the plain layer. OCTAVO_LINEAR=torch turns it off.
 
-Decode-sized batches (up to `ops.packed_gemv_max_rows(dtype)` rows: with AVX-512 32 in fp32
-and 24 in bf16, with AVX2 16 in fp32) skip oneDNN's per-call set-up: octavo's `packed_gemv`
-(csrc/packed_gemv.cpp) reads the same packed buffer in place. Its layout is oneDNN's internal
-choice, so `gemv_layout` checks it for every shape and dtype by packing matrices that encode
-each weight's coordinates and comparing the buffer with the layouts packed_gemv reads (blocks
-of 64 outputs; of 32 for bf16 where oneDNN uses AMX); any other layout (another oneDNN version
-or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns it off (the benchmarks' A/B),
-OCTAVO_PACKED_GEMV=N gives it steps of at most N rows.
+Decode-sized batches (up to `ops.packed_gemv_max_rows(dtype, block)` rows: with AVX-512 32 in
+fp32 and 24 in bf16 (16 on AMX tiles), with AVX2 16 in fp32) skip oneDNN's per-call set-up:
+octavo's `packed_gemv` (csrc/packed_gemv.cpp) reads the same packed buffer in place. Its layout
+is oneDNN's internal choice, so `gemv_layout` checks it for every shape and dtype by packing
+matrices that encode each weight's coordinates and comparing the buffer with the layouts
+packed_gemv reads (blocks of 64 outputs; of 32 for bf16 where oneDNN uses AMX); any other
+layout (another oneDNN version or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns
+it off (the benchmarks' A/B), OCTAVO_PACKED_GEMV=N gives it steps of at most N rows.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class PackedLinear(nn.Module):
             return False
         self.ops, (self.k_padded, self.gemv_block) = ops, layout
         self.weight_ptr = torch.ops.mkldnn.data_ptr(self.packed)
-        self.gemv_rows = min(ops.packed_gemv_max_rows(self.dtype), limit or 64)
+        self.gemv_rows = min(ops.packed_gemv_max_rows(self.dtype, self.gemv_block),
+                             limit or 64)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(2, self.in_features, generator=gen).to(self.dtype)
         try:

@@ -161,8 +161,8 @@ def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> 
         assert r["kernel_path"]["isa"] == r["isa"]
         assert 0 < r["forward_ms"] < r["step_ms"]
     assert res["single_stream"][-1]["decode_linears"] == "off"  # the best build, oneDNN only
-    def max_rows(isa, dtype="float32"):
-        return load_cpu_ops(isa).packed_gemv_max_rows(getattr(torch, dtype))
+    def max_rows(isa, dtype="float32", block=64):
+        return load_cpu_ops(isa).packed_gemv_max_rows(getattr(torch, dtype), block)
 
     gemv_isas = [i for i in isas if max_rows(i)]
     assert {r["decode_linears"] for r in res["single_stream"][:-1] if r["isa"] in gemv_isas} \
@@ -176,7 +176,8 @@ def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> 
         first = next(x["kernel"] for x in linears if (x["isa"], x["dtype"]) == (r["isa"],
                                                                              r["dtype"]))
         assert r["kernel"] in (("fma",) if r["dtype"] == "float32" else ("amx", "avx512_bf16"))
-        assert r["engine_takes"] == (r["rows"] <= max_rows(r["isa"], r["dtype"])
+        block = 32 if r["kernel"] == "amx" else 64
+        assert r["engine_takes"] == (r["rows"] <= max_rows(r["isa"], r["dtype"], block)
                                      and r["kernel"] == first)
     for r in res["mixed"]:
         if r["dtype"] == "bfloat16" and r["isa"] != "avx512":

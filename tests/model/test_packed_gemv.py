@@ -51,8 +51,10 @@ def test_equals_f_linear_on_every_build(isa, shape, bias):
     ops = load_cpu_ops(isa)
     want_rows = {"avx512": 32, "avx2": 16, "portable": 0}[isa]
     assert ops.packed_gemv_max_rows(torch.float32) == want_rows
-    assert ops.packed_gemv_max_rows(torch.bfloat16) == (
-        24 if ops.packed_gemv_supports(torch.bfloat16) else 0)
+    bf16_rows = 24 if ops.packed_gemv_supports(torch.bfloat16) else 0
+    assert ops.packed_gemv_max_rows(torch.bfloat16) == bf16_rows
+    assert ops.packed_gemv_max_rows(torch.bfloat16, 32) == (
+        16 if ops.packed_gemv_has_amx() else bf16_rows)
     n, k = shape
     for dtype in _dtypes(ops):
         layer = _layer(n, k, dtype, bias)
@@ -94,7 +96,7 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads():
         n, k = 576, 1536  # K in several chunks, added in a fixed order
         packed = PackedLinear(_layer(n, k, dtype, True))
         assert packed.use_gemv(ops)
-        x = torch.randn(min(20, ops.packed_gemv_max_rows(dtype)), k).to(dtype)
+        x = torch.randn(min(20, packed.gemv_rows), k).to(dtype)
         batch = packed(x)
         try:
             torch.set_num_threads(1)

@@ -47,8 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight_ptr"), py::arg("n"), py::arg("k_padded"), py::arg("bias"),
         py::arg("block"));
   m.def("packed_gemv_max_rows", &packed_gemv_max_rows,
-        "the most rows of this dtype a model's layer gives packed_gemv here (0: none)",
-        py::arg("dtype"));
+        "the most rows of this dtype, in blocks of `block` outputs, a model's layer gives "
+        "packed_gemv here (0: none)",
+        py::arg("dtype"), py::arg("block") = 64);
   m.def("packed_gemv_supports", &packed_gemv_supports,
         "whether packed_gemv computes this dtype on this build and CPU", py::arg("dtype"));
   m.def("packed_gemv_has_amx", &packed_gemv_has_amx,

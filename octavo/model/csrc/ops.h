@@ -78,8 +78,9 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor w_scale,
 // x [rows, K] float32 or bfloat16 -> [rows, N]
 at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_padded,
                        c10::optional<at::Tensor> bias, int64_t block);
-// the most rows of `dtype` this build gives packed_gemv in a model (0: none; oneDNN computes)
-int64_t packed_gemv_max_rows(at::ScalarType dtype);
+// the most rows of `dtype` in blocks of `block` this build gives packed_gemv in a model (0: none;
+// oneDNN computes)
+int64_t packed_gemv_max_rows(at::ScalarType dtype, int64_t block);
 // whether this build computes `dtype` in packed_gemv on this CPU
 bool packed_gemv_supports(at::ScalarType dtype);
 // whether packed_gemv computes bf16 in oneDNN's AMX layout (blocks of 32) with AMX tiles here

@@ -48,14 +48,14 @@ constexpr int64_t kTileRows = Vec::L == 16 ? 6 : 1;
 // the most rows of a step the engine gives packed_gemv (packed_gemv_max_rows), measured against
 // oneDNN on the embedded model's layers (BENCHMARKS.md section 8): AVX-512 fp32 1.1-1.3x up to
 // 16 rows, 1.0-1.15x at 24-32, 0.98-1.1x at 64 (2 threads); bf16 1.1-1.5x up to 24 rows, 0.9x
-// from 48 (with AMX, against oneDNN's AMX kernels: 1.1x at 24, see amx_item); AVX2 (against
-// oneDNN held to AVX2) 1.1-1.4x up to 16 rows, 0.9x at 24
+// from 48; bf16 on AMX tiles against oneDNN's AMX kernels 1.07-1.13x at 16, 0.96-1.04x at 24
+// (see amx_item); AVX2 (against oneDNN held to AVX2) 1.1-1.4x up to 16 rows, 0.9x at 24
 #if defined(__AVX512F__)
-constexpr int64_t kMaxRowsFp32 = 32, kMaxRowsBf16 = 24;
+constexpr int64_t kMaxRowsFp32 = 32, kMaxRowsBf16 = 24, kMaxRowsAmx = 16;
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kMaxRowsFp32 = 16, kMaxRowsBf16 = 0;
+constexpr int64_t kMaxRowsFp32 = 16, kMaxRowsBf16 = 0, kMaxRowsAmx = 0;
 #else
-constexpr int64_t kMaxRowsFp32 = 0, kMaxRowsBf16 = 0;  // portable: oneDNN computes them all
+constexpr int64_t kMaxRowsFp32 = 0, kMaxRowsBf16 = 0, kMaxRowsAmx = 0;  // portable: all oneDNN
 #endif
 constexpr int64_t kCallRows = 64;  // the most rows one call takes
 
@@ -161,7 +161,7 @@ __attribute__((target("avx512bf16"))) int64_t to_bf16_avx512(const float* s, at:
 // the outputs' sums in fp32 tiles. Where it runs it takes every row count (from 1): its sums
 // differ from vdpbf16ps's in the last bit now and then, and a row's result must not depend on
 // how many rows its step has. Measured on the embedded model's layers (Xeon with AMX, 1 thread,
-// BENCHMARKS.md section 8): 1.3x oneDNN at 1-4 rows, 1.1x at 16-24, 1.0x at 32, 0.6x at 64;
+// BENCHMARKS.md section 8): 1.3x oneDNN at 1-4 rows, 1.1x at 16, 1.0x at 24-32, 0.6x at 64;
 // 0.94x bf16_item at 1 row, 1.4x at 8, 2.6x at 24.
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -316,9 +316,10 @@ bool packed_gemv_set_amx(bool enabled) {
 #endif
 }
 
-int64_t packed_gemv_max_rows(at::ScalarType dtype) {
+int64_t packed_gemv_max_rows(at::ScalarType dtype, int64_t block) {
   if (!packed_gemv_supports(dtype)) return 0;
-  return dtype == at::kFloat ? kMaxRowsFp32 : kMaxRowsBf16;
+  if (dtype == at::kFloat) return kMaxRowsFp32;
+  return block == 32 && packed_gemv_has_amx() ? kMaxRowsAmx : kMaxRowsBf16;
 }
 
 at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_padded,
