@@ -20,7 +20,8 @@ next), so this benchmark runs octavo on each build this CPU can run, forcing the
 2. **single stream** (llama-bench's pp/tg shape: a 256-token prompt, 128 new tokens, greedy):
    prefill and generation tok/s, and a decode step split into the model's forward and the
    engine's own overhead (scheduling, batch preparation, sampling, output processing); on the
-   best build once more with packed_gemv off (oneDNN for every linear layer);
+   best build once more with packed_gemv off (oneDNN for every linear layer); fp32, and where
+   the CPU computes bf16 natively, bf16 on the best build with packed_gemv on and off;
 3. **offline `mixed`**: output tok/s of the paged engine for each build, in fp32, `auto`, and
    bf16 asked for; on a path without native bf16 (`avx2`, `portable`) bf16 computes in fp32
    (model/dtype_policy.py), so that row shows what an AVX2 machine's user gets.
@@ -49,7 +50,7 @@ from octavo.config import ModelConfig
 from octavo.model.attention import get_backend
 from octavo.model.attention.base import AttentionMetadata, PrefillChunk
 from octavo.model.attention.cpu_backend import CpuPagedAttentionBackend
-from octavo.model.cpu_isa import supported_isas
+from octavo.model.cpu_isa import native_bf16, supported_isas
 from octavo.model.linear import GEMV_ENV_VAR
 from octavo.model.loader import resolve_model_dir
 
@@ -209,13 +210,16 @@ def single_stream_rows(opts: BenchOptions, isas: list[str], repeats: int) -> lis
     vocab = 256 if opts.model else workloads.SMOLLM2_VOCAB
     prompt_len, new = (100, 64) if opts.model else (256, opts.pick(32, 128))
     rows = []
-    for isa, gemv in [(isa, True) for isa in isas] + [(isas[0], False)]:
+    runs = [(isa, True, "float32") for isa in isas] + [(isas[0], False, "float32")]
+    if native_bf16(isas[0]):
+        runs += [(isas[0], True, "bfloat16"), (isas[0], False, "bfloat16")]
+    for isa, gemv, dtype in runs:
         saved = os.environ.get(GEMV_ENV_VAR)
         if not gemv:
             os.environ[GEMV_ENV_VAR] = "0"
         try:
             llm = make_llm(opts.model, overrides={**opts.engine_overrides, "cpu_isa": isa},
-                           dtype="float32", max_model_len=512 if opts.model else 2048)
+                           dtype=dtype, max_model_len=512 if opts.model else 2048)
         finally:
             if saved is None:
                 os.environ.pop(GEMV_ENV_VAR, None)
@@ -241,7 +245,8 @@ def single_stream_rows(opts: BenchOptions, isas: list[str], repeats: int) -> lis
             steps.append(r.step_s / r.steps)
         step_ms, fwd_ms = 1e3 * median(steps), 1e3 * median(fwd)
         path = llm.engine.runner.kernel_path()
-        rows.append({"isa": isa, "decode_linears": path["decode_gemv"], "prompt": prompt_len,
+        rows.append({"isa": isa, "dtype": dtype, "decode_linears": path["decode_gemv"],
+                     "prompt": prompt_len,
                      "new_tokens": new,
                      "prefill_tok_s": median(prefill), "decode_tok_s": median(decode),
                      "step_ms": step_ms, "forward_ms": fwd_ms, "overhead_ms": step_ms - fwd_ms,
@@ -320,12 +325,12 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                    r["packed_gemv_ms"], r["x_onednn"], "yes" if r["engine_takes"] else "no"]
                   for r in linears], 3),
         "",
-        "Single stream, fp32 (prompt then greedy generation; a step split into the model's "
+        "Single stream (prompt then greedy generation; a step split into the model's "
         "forward and the engine's overhead):",
         "",
-        md_table(["isa", "decode linears", "prompt", "new", "prefill tok/s",
+        md_table(["isa", "dtype", "decode linears", "prompt", "new", "prefill tok/s",
                   "generation tok/s", "ms / step", "forward ms", "overhead ms"],
-                 [[r["isa"], r["decode_linears"], r["prompt"], r["new_tokens"],
+                 [[r["isa"], r["dtype"], r["decode_linears"], r["prompt"], r["new_tokens"],
                    r["prefill_tok_s"], r["decode_tok_s"], r["step_ms"], r["forward_ms"],
                    r["overhead_ms"]] for r in single]),
         "",

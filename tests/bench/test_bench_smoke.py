@@ -133,7 +133,7 @@ def test_gemm_floor_counts_every_weight_once_per_token() -> None:
 def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
     import torch
 
-    from octavo.model.cpu_isa import cpu_flags, supported_isas
+    from octavo.model.cpu_isa import cpu_flags, native_bf16, supported_isas
     from octavo.model.cpu_ops import load_cpu_ops
 
     argv = ["cpu", "--quick", "--threads", "1", "--num-requests", "4", "--model",
@@ -156,16 +156,24 @@ def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> 
     assert [(r["dtype"], r["path"]) for r in step] == [
         (d, f"kernel {i}") for d in ("float32", "bfloat16") for i in isas]
     assert all(r["ms"] > 0 and r["kv_gb_s"] > 0 for r in step)
-    assert [r["isa"] for r in res["single_stream"]] == isas + isas[:1]
-    for r in res["single_stream"]:
-        assert r["kernel_path"]["isa"] == r["isa"]
+    # every build in fp32, the best once more with oneDNN only; with native bf16, the best in
+    # bf16 with packed_gemv and with oneDNN only
+    bf16 = [(isas[0], "bfloat16")] * 2 if native_bf16(isas[0]) else []
+    single = res["single_stream"]
+    assert [(r["isa"], r["dtype"]) for r in single] == [
+        (i, "float32") for i in isas + isas[:1]] + bf16
+    for r in single:
+        assert r["kernel_path"]["isa"] == r["isa"] and r["kernel_path"]["dtype"] == r["dtype"]
         assert 0 < r["forward_ms"] < r["step_ms"]
-    assert res["single_stream"][-1]["decode_linears"] == "off"  # the best build, oneDNN only
+    assert single[len(isas)]["decode_linears"] == "off"  # the best build, oneDNN only
+    if bf16:
+        assert single[-1]["decode_linears"] == "off"
+        assert single[-2]["decode_linears"].startswith("packed_gemv <= ")
     def max_rows(isa, dtype="float32", block=64):
         return load_cpu_ops(isa).packed_gemv_max_rows(getattr(torch, dtype), block)
 
     gemv_isas = [i for i in isas if max_rows(i)]
-    assert {r["decode_linears"] for r in res["single_stream"][:-1] if r["isa"] in gemv_isas} \
+    assert {r["decode_linears"] for r in single[:len(isas)] if r["isa"] in gemv_isas} \
         <= {f"packed_gemv <= {max_rows(i)} rows" for i in gemv_isas}
     linears = res["decode_linears"]
     assert {(r["isa"], r["dtype"]) for r in linears if r["dtype"] == "float32"} == {
