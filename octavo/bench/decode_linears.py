@@ -2,9 +2,10 @@
 against oneDNN on the same packed weights, for every linear layer of the model in order (all
 its layers, so the weights come from memory as in a decode step: the four of each decoder layer
 and the LM head), per ISA build of octavo's ops, per dtype, at 1 to 64 rows. The engine gives
-packed_gemv the steps of up to `packed_gemv_max_rows(dtype)` rows; the rows above show where oneDNN
-takes over. oneDNN picks its own ISA from the CPU, whichever build of octavo's runs (in bf16 with
-AMX, its AMX kernels; packed_gemv's AMX kernel is then measured against its vdpbf16ps one too)."""
+packed_gemv the steps of up to `packed_gemv_max_rows(dtype, block)` rows; the rows above show
+where oneDNN takes over. oneDNN picks its own ISA from the CPU, whichever build of octavo's runs
+(in bf16 with AMX, its AMX kernels; packed_gemv's AMX kernel is then measured against its
+vdpbf16ps one too)."""
 
 from __future__ import annotations
 

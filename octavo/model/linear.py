@@ -121,6 +121,8 @@ def gemv_row_limit() -> int | None:
     if not value.isdigit():
         raise ValueError(f"{GEMV_ENV_VAR} must be 0 (off) or a number of rows, got {value!r}")
     return int(value)
+
+
 # outputs per block of the layouts packed_gemv reads: 64 (oneDNN's AVX2 and AVX-512 kernels),
 # 32 (bf16 where oneDNN uses AMX)
 GEMV_BLOCKS = (64, 32)
