@@ -193,6 +193,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_configure(int rows) {
 
 __attribute__((target("amx-tile,amx-bf16"))) void amx_release() { _tile_release(); }
 
+// a thread's tiles, configured for `rows` rows of x while it lives, released after
+struct AmxTiles {
+  explicit AmxTiles(int rows) { amx_configure(rows); }
+  ~AmxTiles() { amx_release(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+
 // a tile of rows of x (bf16, row stride ldx elements, K zero-padded to Kp) times one item of S
 // blocks of 32 outputs over pairs p0..p1-1 (multiples of 16), into part (row stride ldp)
 // (GCC 12's tileloadd does not tell the compiler it reads memory: x and w are written before
@@ -274,19 +282,34 @@ void by_blocks(int64_t block, int64_t left, F&& f) {
   }
 }
 
+struct NoSetup {
+  int operator()() const { return 0; }
+};
+
 // every (64 outputs, K chunk) item over the threads (contiguous ranges: each thread streams one
-// part of the buffer), and in each item every tile of rows: f(block, chunk, K rows i0..i1-1,
-// the tile's first row, integral_constant<rows in the tile>); k_end: where K's rows end
+// part of the buffer): f(item, chunk, K rows i0..i1-1); k_end: where K's rows end; setup():
+// what each thread holds while it runs its items (AMX: its tile configuration)
+template <class F, class Setup = NoSetup>
+void for_items(int64_t n_items, int64_t n_chunks, int64_t chunk, int64_t k_end, F&& f,
+               Setup setup = {}) {
+  at::parallel_for(0, n_items * n_chunks, 1, [&](int64_t begin, int64_t end) {
+    [[maybe_unused]] const auto held = setup();
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / n_chunks, c = it % n_chunks;
+      const int64_t i0 = c * chunk;
+      f(b, c, i0, std::min(k_end, i0 + chunk));
+    }
+  });
+}
+
+// for_items, and in each item every register tile of rows: f(item, chunk, K rows i0..i1-1,
+// the tile's first row, integral_constant<rows in the tile>)
 template <class F>
 void run_items(int64_t n_items, int64_t n_chunks, int64_t chunk, int64_t k_end, int64_t rows,
                F&& f) {
-  at::parallel_for(0, n_items * n_chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t b = it / n_chunks, c = it % n_chunks;
-      const int64_t i0 = c * chunk, i1 = std::min(k_end, i0 + chunk);
-      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows)
-        by_rows(std::min(kTileRows, rows - r0), [&](auto mr) { f(b, c, i0, i1, r0, mr); });
-    }
+  for_items(n_items, n_chunks, chunk, k_end, [&](int64_t b, int64_t c, int64_t i0, int64_t i1) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows)
+      by_rows(std::min(kTileRows, rows - r0), [&](auto mr) { f(b, c, i0, i1, r0, mr); });
   });
 }
 
@@ -390,25 +413,17 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
     if (amx) {
       const int64_t k_end = (k + 31) / 32 * 32;  // K in whole tiles (Kp's padding is zeros)
       const uint16_t* X2 = reinterpret_cast<const uint16_t*>(x2.data());
-      at::parallel_for(0, n_items * n_chunks, 1, [&](int64_t begin, int64_t end) {
-        amx_configure(static_cast<int>(mt));
-        for (int64_t it = begin; it < end; ++it) {
-          const int64_t b = it / n_chunks, c = it % n_chunks;
-          const int64_t i0 = c * chunk, i1 = std::min(k_end, i0 + chunk);
-          const uint16_t* wb = W + b * per_item * k_padded * block;
-          const bool two = n_blocks - b * per_item >= 2;
-          for (int64_t r0 = 0; r0 < prows; r0 += mt) {
-            float* dst = part(c) + r0 * width + b * kItem;
-            const uint16_t* xr = X2 + r0 * k_padded;
-            if (two) {
-              amx_item<2>(wb, k_padded, xr, k_padded, i0 / 2, i1 / 2, dst, width);
-            } else {
-              amx_item<1>(wb, k_padded, xr, k_padded, i0 / 2, i1 / 2, dst, width);
-            }
-          }
-        }
-        amx_release();
-      });
+      for_items(
+          n_items, n_chunks, chunk, k_end,
+          [&](int64_t b, int64_t c, int64_t i0, int64_t i1) {
+            by_blocks(block, n_blocks - b * per_item, [&](auto, auto sb) {
+              for (int64_t r0 = 0; r0 < prows; r0 += mt)
+                amx_item<decltype(sb)::value>(W + b * per_item * k_padded * block, k_padded,
+                                              X2 + r0 * k_padded, k_padded, i0 / 2, i1 / 2,
+                                              part(c) + r0 * width + b * kItem, width);
+            });
+          },
+          [&] { return AmxTiles(static_cast<int>(mt)); });
     } else {
       const int64_t kk = (k + 1) / 2 * 2;  // K rounded up to whole pairs
       run_items(n_items, n_chunks, chunk, kk, rows, [&](int64_t it, int64_t c, int64_t i0,
@@ -422,27 +437,25 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
     }
   }
 #endif
-  // out = the chunks' sums in chunk order (+ bias), in x's dtype; rows over the threads
+  // out = the chunks' sums in chunk order (+ bias), in x's dtype
   at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* B = bias ? b32.data_ptr<float>() : nullptr;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      float* s = part(0) + m * width;
-      for (int64_t c = 1; c < n_chunks; ++c) {
-        const float* t = part(c) + m * width;
+  for (int64_t m = 0; m < rows; ++m) {
+    float* s = part(0) + m * width;
+    for (int64_t c = 1; c < n_chunks; ++c) {
+      const float* t = part(c) + m * width;
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) s[j] += t[j];
-      }
-      if (bias) {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) s[j] += B[j];
-      }
-      if (bf16) {
-        to_bf16(s, out.data_ptr<at::BFloat16>() + m * n, n);
-      } else if (!direct) {
-        std::memcpy(out.data_ptr<float>() + m * n, s, n * sizeof(float));
-      }
+      for (int64_t j = 0; j < n; ++j) s[j] += t[j];
     }
-  });
+    if (bias) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) s[j] += B[j];
+    }
+    if (bf16) {
+      to_bf16(s, out.data_ptr<at::BFloat16>() + m * n, n);
+    } else if (!direct) {
+      std::memcpy(out.data_ptr<float>() + m * n, s, n * sizeof(float));
+    }
+  }
   return out;
 }
