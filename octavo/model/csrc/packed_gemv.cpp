@@ -35,9 +35,13 @@ namespace {
 using octavo::Vec;
 constexpr int64_t kItem = 64;  // outputs per work item (one block of 64, or two of 32)
 // the cache lines 16 rows ahead of a block's current row (4 KB of a 64-block in fp32) are
-// requested from memory: measured 1.1-1.2x at 2-6 rows over the hardware prefetcher alone, the
-// same at one row (AVX-512)
+// requested from memory: measured 1.1-1.2x at 2-6 rows over the hardware prefetcher alone (AMD
+// EPYC and Intel Xeon, AVX-512), and in bf16 and on AVX2 at every row count; but a step of one
+// fp32 row on AVX-512 (the lightest loop: one load and one FMA per 64 bytes) streams faster on
+// the hardware prefetcher alone: the same on the AMD EPYC, 1.2x on the Xeon (its linear layers
+// 22 -> 27 GB/s, single-stream generation 1.15x; BENCHMARKS.md section 8)
 constexpr int64_t kAhead = 16;
+constexpr bool prefetch_fp32(int64_t rows) { return rows > 1 || Vec::L != 16; }
 
 // rows computed together (a register tile): 6 rows x 4 zmm accumulators + 6 broadcasts + 1 load
 // of 32 zmm; on AVX2 one row's 8 ymm accumulators (3 rows of 32 columns measured 1.1-1.4x
@@ -72,10 +76,11 @@ int64_t chunk_rows(int64_t n_items, int64_t k, int64_t unit) {
 }
 
 // M rows of x (fp32, row stride ldx) times one item of S blocks of B outputs over K rows
-// i0..i1-1 (w: the item's first block, kp: a block's rows), into part (row stride ldp)
+// i0..i1-1 (w: the item's first block, kp: a block's rows), into part (row stride ldp), with
+// software prefetches where Ahead (prefetch_fp32)
 // (its small loops are unrolled on request: without that, GCC kept the AVX2 build's
 // accumulators on the stack, 2x slower)
-template <int M, int B, int S>
+template <int M, int B, int S, bool Ahead>
 void fp32_item(const float* w, int64_t kp, const float* x, int64_t ldx, int64_t i0, int64_t i1,
                float* part, int64_t ldp) {
   constexpr int V = B / Vec::L;  // vectors per block row
@@ -88,10 +93,12 @@ void fp32_item(const float* w, int64_t kp, const float* x, int64_t ldx, int64_t 
 #pragma GCC unroll 2
   for (int s = 0; s < S; ++s) wr[s] = w + (s * kp + i0) * B;
   for (int64_t i = i0; i < i1; ++i) {
+    if constexpr (Ahead) {
 #pragma GCC unroll 2
-    for (int s = 0; s < S; ++s)
+      for (int s = 0; s < S; ++s)
 #pragma GCC unroll 4
-      for (int c = 0; c < B; c += 16) __builtin_prefetch(wr[s] + kAhead * B + c, 0, 3);
+        for (int c = 0; c < B; c += 16) __builtin_prefetch(wr[s] + kAhead * B + c, 0, 3);
+    }
     Vec xb[M];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) xb[m] = Vec::set1(x[m * ldx + i]);
@@ -391,14 +398,22 @@ at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_pa
   if (!bf16) {
     const float* W = reinterpret_cast<const float*>(weight_ptr);
     const float* X = x.data_ptr<float>();
-    run_items(n_items, n_chunks, chunk, k, rows, [&](int64_t it, int64_t c, int64_t i0,
-                                                     int64_t i1, int64_t r0, auto mr) {
-      by_blocks(block, n_blocks - it * per_item, [&](auto bw, auto sb) {
-        fp32_item<decltype(mr)::value, decltype(bw)::value, decltype(sb)::value>(
-            W + it * per_item * k_padded * block, k_padded, X + r0 * k, k, i0, i1,
-            part(c) + r0 * width + it * kItem, width);
+    auto fp32 = [&](auto ahead) {
+      run_items(n_items, n_chunks, chunk, k, rows, [&](int64_t it, int64_t c, int64_t i0,
+                                                       int64_t i1, int64_t r0, auto mr) {
+        by_blocks(block, n_blocks - it * per_item, [&](auto bw, auto sb) {
+          fp32_item<decltype(mr)::value, decltype(bw)::value, decltype(sb)::value,
+                    decltype(ahead)::value>(W + it * per_item * k_padded * block, k_padded,
+                                            X + r0 * k, k, i0, i1,
+                                            part(c) + r0 * width + it * kItem, width);
+        });
       });
-    });
+    };
+    if (prefetch_fp32(rows)) {
+      fp32(std::true_type{});
+    } else {
+      fp32(std::false_type{});
+    }
   }
 #if defined(__AVX512F__)
   else {
