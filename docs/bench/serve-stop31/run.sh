@@ -6,10 +6,11 @@
 # vLLM's KV cache is set to 4 GiB: its automatic size (20 of the machine's 23.5 GiB) left too
 # little memory for the rest, and at 4 req/s the machine thrashed (see BENCHMARKS.md 4c).
 M=$HOME/.cache/octavo/models/SmolLM2-135M-Instruct
-OUT=/tmp/gv/serve; mkdir -p $OUT
+OUT=${OUT:-/tmp/gv/serve}; mkdir -p $OUT
+VBENCH=${VBENCH:-/tmp/gv/vbench.py}
 wait_up() { for i in $(seq 1 300); do curl -s -o /dev/null http://127.0.0.1:$1/v1/models && return 0; sleep 1; done; return 1; }
 bench() { # name port rate
-  nice -n 5 /tmp/vllm-venv/bin/python /tmp/gv/vbench.py --backend openai --base-url http://127.0.0.1:$2 --endpoint /v1/completions \
+  nice -n 5 /tmp/vllm-venv/bin/python $VBENCH --backend openai --base-url http://127.0.0.1:$2 --endpoint /v1/completions \
     --model smollm2 --served-model-name smollm2 --tokenizer $M --dataset-name random --random-input-len 256 --random-output-len 128 \
     --num-prompts 64 --request-rate $3 --ignore-eos --seed 0 --save-result --result-dir $OUT --result-filename $1-rate$3.json > $OUT/$1-rate$3.log 2>&1
 }
