@@ -9,6 +9,7 @@ import torch
 from octavo.model.attention.base import AttentionBackend
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
+from octavo.model.sampler import row_argmax
 from octavo.step_plan import SeqChunk
 
 
@@ -19,4 +20,4 @@ def greedy_decode(model: torch.nn.Module, rows: list[SeqChunk], batch: InputBatc
     inputs = batch.prepare(rows)
     logits = model(inputs.input_ids, inputs.positions, kv_cache, inputs.metas, backend,
                    torch.arange(len(rows), device=batch.device), num_layers=num_layers)
-    return logits.argmax(dim=-1).tolist()
+    return row_argmax(logits).tolist()

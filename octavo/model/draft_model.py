@@ -22,6 +22,7 @@ from octavo.model.attention.base import AttentionBackend
 from octavo.model.draft_decode import greedy_decode
 from octavo.model.input_batch import InputBatch
 from octavo.model.kv_cache import KVCache
+from octavo.model.sampler import row_argmax
 from octavo.step_plan import SeqChunk
 
 
@@ -83,7 +84,7 @@ class DraftModelDrafter:
                              device=device)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metas,
                             backend, index)
-        for c, token in zip(want, logits.argmax(dim=-1).tolist(), strict=True):
+        for c, token in zip(want, row_argmax(logits).tolist(), strict=True):
             drafts[c.seq_id].append(token)
             self.frontier[c.seq_id] = c.context_len
         # 2. one token at a time for the rest

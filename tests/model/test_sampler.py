@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from octavo.model.sampler import Sampler, apply_min_p, apply_top_k_top_p, compute_logprobs
+from octavo.model.sampler import (
+    Sampler,
+    apply_min_p,
+    apply_top_k_top_p,
+    compute_logprobs,
+    row_argmax,
+)
 from octavo.model.sampling_metadata import SamplingMetadata
 from octavo.sampling_params import SamplingParams
 
@@ -42,6 +48,31 @@ def test_greedy_is_argmax_with_lowest_index_ties():
     assert out.sampled_token_ids == logits.argmax(-1).tolist()
     assert out.sampled_token_ids[0] == 5
     assert out.logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_argmax_equals_torch_argmax_on_ties_infs_and_nans(dtype, threads):
+    """row_argmax (max(dim=-1)) picks the same index as Tensor.argmax: the first of tied
+    maxima, a row of -inf gives 0, a NaN wins; at a vocabulary's width, as the kernels split
+    the row into vector lanes and threads."""
+    g = torch.Generator().manual_seed(3)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for trial in range(40):
+            rows = 1 + trial % 9 * 8
+            vocab = [1, 17, 4099, 49152][trial % 4]
+            x = torch.randint(-2, 2, (rows, vocab), generator=g).to(dtype)  # many ties
+            if trial % 3 == 0:
+                x[:, torch.randint(0, vocab, (vocab // 2,), generator=g)] = float("-inf")
+            if trial % 5 == 0:
+                x[0] = float("-inf")
+            if trial % 7 == 0:
+                x[-1, vocab // 3] = float("nan")
+            assert torch.equal(row_argmax(x), x.argmax(dim=-1)), (trial, rows, vocab)
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize("params", [

@@ -5,7 +5,9 @@
 // loads of the block being read, which left a decode step of `mixed` reading its K/V at 20 GB/s
 // on a Zen 5 core pair. Spread over the block's computation, a slice after each query head's
 // scores, the same prefetches keep a steady stream: 31 GB/s there, and bf16 2.4x faster
-// (BENCHMARKS.md section 8).
+// (BENCHMARKS.md section 8). They fill L2, not L1 (prefetcht1): on an Intel Xeon with AMX
+// that read a step's fp32 K/V 1.06-1.08x faster than into L1 (prefetcht0), bf16
+// 1.02-1.05x, at 1 and 2 threads, while the NTA hint halved the speed (stop 36).
 #pragma once
 
 #include <cstdint>
@@ -29,7 +31,7 @@ class BlockPrefetch {
   // the next slice of that block's lines (nothing once it is all requested)
   void some() {
     for (int64_t i = 0; i < per_slice_ && next_ < 2 * lines_; ++i, ++next_)
-      __builtin_prefetch(next_ < lines_ ? k_ + 64 * next_ : v_ + 64 * (next_ - lines_), 0, 3);
+      __builtin_prefetch(next_ < lines_ ? k_ + 64 * next_ : v_ + 64 * (next_ - lines_), 0, 2);
   }
 
  private:
