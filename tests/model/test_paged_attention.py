@@ -233,6 +233,42 @@ def test_decode_kernel_result_independent_of_batch_and_threads(isa):
     assert torch.equal(torch.cat(alone), outs[0])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(3, 3, 64), (8, 4, 128), (1, 8, 64),
+                                                       (5, 1, 48)])
+def test_decode_kernel_splits_kv_heads_when_threads_outnumber_sequences(
+        isa, dtype, kv_heads, group, head_dim):
+    """With fewer sequences than threads (batch 1 on a multi-core CPU) each sequence's KV heads
+    are split over the threads: the output is bit-identical to one thread's, for uneven splits
+    (3 KV heads on 2 threads), more threads than heads, sliding windows and soft caps."""
+    kernel = get_backend("cpu", torch.device("cpu"), isa).kernel
+    gen = torch.Generator().manual_seed(kv_heads * 100 + group)
+    lens = [300, 41]
+    q, k_cache, v_cache, tables, ctx = _random_decode(gen, lens, kv_heads * group, kv_heads,
+                                                      head_dim, 16, dtype)
+    first = torch.zeros(len(lens), dtype=torch.long)
+    threads = torch.get_num_threads()
+    try:
+        results = {}
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            for b in range(len(lens)):
+                one = (q[b:b + 1], k_cache, v_cache, tables[b:b + 1], ctx[b:b + 1], 0.125)
+                results[n, b] = (kernel.paged_decode(*one),
+                                 kernel.paged_decode(*one, first[b:b + 1], 100, 30.0))
+            results[n, "both"] = kernel.paged_decode(q, k_cache, v_cache, tables, ctx, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    for (n, b), out in results.items():
+        if b == "both":
+            assert torch.equal(out, results[1, "both"]), n
+        else:
+            assert torch.equal(out[0], results[1, b][0]), (n, b)
+            assert torch.equal(out[1], results[1, b][1]), (n, b)
+            assert torch.equal(out[0][0], results[1, "both"][b]), (n, b)
+
+
 @pytest.mark.parametrize("length", [1, 7, 300])
 def test_bf16_eager_prefill_matches_fp32_reference(length):
     from octavo.model.attention.torch_backend import eager_causal

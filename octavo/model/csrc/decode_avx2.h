@@ -70,14 +70,16 @@ inline float reduce_add8(__m256 v) {
 }
 
 // One sequence: keys at table slots lo..len-1. q: [num_heads, HD] already scaled, fp32. State
-// per query head in m, l, acc. softcap 0: none.
+// per query head in m, l, acc. softcap 0: none. row: elements between slots in the cache (the
+// cache's KV heads x HD; more than num_kv_heads x HD where the caller passes a subset of the
+// KV heads, with k_cache / v_cache pointing at the first of them).
 template <typename T, int HD>
 void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
                      int64_t lo, int64_t len, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t block_size, float softcap, float* m, float* l, float* acc, T* out) {
+                     int64_t row, int64_t block_size, float softcap, float* m, float* l,
+                     float* acc, T* out) {
   constexpr int C = HD / 8;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row = num_kv_heads * HD;
   const int64_t block_elems = block_size * row;
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
   const float neg_inf = -std::numeric_limits<float>::infinity();

@@ -1,6 +1,7 @@
 // Paged attention for single-token decode on CPU.
 //
-// One work item per sequence. It walks the sequence's block table once; each block holds
+// One work item per sequence (per part of its KV heads where the threads outnumber the
+// sequences). It walks the sequence's block table once; each block holds
 // [block_size, num_kv_heads, head_dim] contiguous K (and V) rows, so a block is one sequential
 // read, and the next block is prefetched, a slice at a time, while this one is used (blocks sit
 // anywhere in the pool, which the hardware prefetcher cannot guess; block_prefetch.h). Threads
@@ -61,23 +62,38 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return context_lens[a] > context_lens[b];
   });
+  // Fewer sequences than threads (one long sequence at batch 1): each sequence's KV heads are
+  // split into up to threads / num_seqs parts, a work item each, so that no thread sits idle.
+  // A query head's sums run in the same order either way: results do not change.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t parts = num_seqs >= threads ? 1
+      : std::min<int64_t>(num_kv_heads, (threads + num_seqs - 1) / num_seqs);
+  const int64_t part_kv = (num_kv_heads + parts - 1) / parts;  // KV heads per item
+  const int64_t per_seq = (num_kv_heads + part_kv - 1) / part_kv;
+  const int64_t items = num_seqs * per_seq;
   std::atomic<int64_t> next{0};
-  const int64_t workers =
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // per query head: q (scaled), running max, running sum, accumulator; per block: scores
     std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim);
     std::vector<float> mx(num_heads), sum(num_heads), scores(num_heads * block_size);
     std::vector<float> kbuf(head_dim), vbuf(head_dim);
-    for (int64_t i = next.fetch_add(1); i < num_seqs; i = next.fetch_add(1)) {
-      const int64_t b = order[i];
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+      const int64_t b = order[i / per_seq];
+      // this item's KV heads kv0.. and their query heads h0..; K/V rows stay `row` apart
+      const int64_t kv0 = (i % per_seq) * part_kv;
+      const int64_t nkv = std::min(part_kv, num_kv_heads - kv0);
+      const int64_t nh = nkv * group, h0 = kv0 * group;
+      const T* kc = k_cache + kv0 * head_dim;
+      const T* vc = v_cache + kv0 * head_dim;
+      T* ob = out + (b * num_heads + h0) * head_dim;
       // keys are read from table slot lo to len (both relative to the table's first slot)
       const int64_t fp = first_pos ? first_pos[b] : 0;
       const int64_t len = context_lens[b] - fp;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t* table = block_tables + b * table_width;
-      const T* qb = q + b * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
+      const T* qb = q + (b * num_heads + h0) * head_dim;
+      for (int64_t i = 0; i < nh * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
 #if defined(OCTAVO_HAVE_AVX512_DECODE) || defined(OCTAVO_HAVE_AVX2_DECODE)
       if constexpr (HD != 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
 #ifdef OCTAVO_HAVE_AVX512_DECODE
@@ -85,8 +101,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 #else
         octavo::decode_seq_avx2<T, HD>(
 #endif
-            qf.data(), k_cache, v_cache, table, lo, len, num_heads, num_kv_heads, block_size,
-            softcap, mx.data(), sum.data(), acc.data(), out + b * num_heads * head_dim);
+            qf.data(), kc, vc, table, lo, len, nh, nkv, row, block_size, softcap, mx.data(),
+            sum.data(), acc.data(), ob);
         continue;
       }
 #endif
@@ -94,17 +110,17 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
       const int64_t nblocks = (len + block_size - 1) / block_size;
-      octavo::BlockPrefetch ahead(block_bytes, num_heads);  // a slice per head's softmax
+      octavo::BlockPrefetch ahead(block_bytes, nh);  // a slice per head's softmax
       for (int64_t j = lo / block_size; j < nblocks; ++j) {
-        const T* kb = k_cache + table[j] * block_elems;
-        const T* vb = v_cache + table[j] * block_elems;
+        const T* kb = kc + table[j] * block_elems;
+        const T* vb = vc + table[j] * block_elems;
         if (j + 1 < nblocks)
-          ahead.start(k_cache + table[j + 1] * block_elems, v_cache + table[j + 1] * block_elems);
+          ahead.start(kc + table[j + 1] * block_elems, vc + table[j + 1] * block_elems);
         const int64_t t_lo = j == lo / block_size ? lo % block_size : 0;
         const int64_t n = std::min(block_size, len - j * block_size);
         // scores[head][t] = q_head . k_t
         for (int64_t t = t_lo; t < n; ++t) {
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
+          for (int64_t h = 0; h < nkv; ++h) {
             const float* kr = as_float(kb + t * row + h * head_dim, kbuf.data(), head_dim);
             for (int64_t g = 0; g < group; ++g) {
               const int64_t head = h * group + g;
@@ -117,7 +133,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           }
         }
         // online softmax: raise the running max, rescale, exponentiate this block's scores
-        for (int64_t head = 0; head < num_heads; ++head) {
+        for (int64_t head = 0; head < nh; ++head) {
           ahead.some();
           float* sh = scores.data() + head * block_size;
           float m = mx[head];
@@ -140,7 +156,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         }
         // acc[head] += p[head][t] * v_t
         for (int64_t t = t_lo; t < n; ++t) {
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
+          for (int64_t h = 0; h < nkv; ++h) {
             const float* vr = as_float(vb + t * row + h * head_dim, vbuf.data(), head_dim);
             for (int64_t g = 0; g < group; ++g) {
               const int64_t head = h * group + g;
@@ -152,8 +168,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           }
         }
       }
-      T* ob = out + b * num_heads * head_dim;
-      for (int64_t head = 0; head < num_heads; ++head) {
+      for (int64_t head = 0; head < nh; ++head) {
         const float inv = 1.f / sum[head];
         for (int64_t d = 0; d < head_dim; ++d)
           store(ob + head * head_dim + d, acc[head * head_dim + d] * inv);
