@@ -13,7 +13,6 @@ everything finished. See docs/ARCHITECTURE.md for who owns which state.
 
 from __future__ import annotations
 
-import atexit
 import gc
 import logging
 import time
@@ -29,29 +28,13 @@ from octavo.engine.request import Request
 from octavo.engine.scheduler import Scheduler
 from octavo.engine.structured_output import StructuredOutputs
 from octavo.engine_args import EngineArgs
+from octavo.gc_heap import freeze_gc_heap
 from octavo.model.loader import resolve_model_dir
 from octavo.outputs import RequestOutput
 from octavo.paging.block_hash import BlockHasher
 from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
-_unfreeze_at_exit = False
-
-
-def freeze_gc_heap() -> None:
-    """Take everything alive after start-up (the model, the tokenizer, every imported module:
-    about 370k objects) out of the cyclic garbage collector's reach, as vLLM's engine core does.
-    A full collection walks all of them: 144 ms, stalling the step it lands in (1.3% of a bf16
-    `mixed` run on 2 threads, BENCHMARKS.md section 8). Frozen objects are still freed by
-    reference counting when the engine goes; `shutdown()` unfreezes them, and so does the
-    interpreter's exit (extensions that count their objects at exit, as Triton's do, would
-    report the frozen ones as leaked)."""
-    global _unfreeze_at_exit
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit = True
-    gc.collect()
-    gc.freeze()
 
 
 class StepFailed(RuntimeError):
@@ -94,7 +77,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._kv_mapper: KVMapper | None = None  # made on the first kv_map() call
-        freeze_gc_heap()
+        freeze_gc_heap()  # start-up's objects: no full collection walks them (gc_heap.py)
 
     @property
     def eos_token_id(self) -> int | None:

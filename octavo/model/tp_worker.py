@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
+from octavo.gc_heap import freeze_gc_heap
 from octavo.model.cache_sizing import KVBlockCounts
 from octavo.model.runner import ModelRunner
 from octavo.model.shm_comm import ShmComm, shm_usable
@@ -122,6 +123,8 @@ class Worker:
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         assert self.runner is not None
         self.runner.init_kv_cache(num_blocks, num_host_blocks)
+        # start-up is over: a full collection in one rank would stall the whole group
+        freeze_gc_heap()
 
     def kernel_path(self) -> dict[str, Any]:
         assert self.runner is not None

@@ -1,4 +1,4 @@
-"""The engine freezes the garbage collector's heap after start-up (engine.freeze_gc_heap), so
+"""The engine freezes the garbage collector's heap after start-up (octavo/gc_heap.py), so
 that a full collection no longer walks the model, the tokenizer and every imported module; the
 frozen engine must still be freed when it is dropped, and shutdown() unfreezes."""
 
