@@ -45,12 +45,14 @@ def test_a_dropped_engine_is_freed_though_frozen(tiny_llama_dir):
     """Frozen objects are freed by reference counting only: a reference cycle through the
     engine would keep its weights and KV cache alive for good. None may exist."""
     gc.unfreeze()
-    llm = make_llm(tiny_llama_dir)
-    llm.generate([tokens_prompt([9, 10, 11])], PARAMS)
-    llm.engine.kv_map()  # the page-map view holds the engine too
-    engine, model = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.model)
-    cache = weakref.ref(llm.engine.runner.kv_cache)
-    assert gc.get_freeze_count() > 0
-    del llm
-    assert engine() is None and model() is None and cache() is None
-    gc.unfreeze()
+    try:
+        llm = make_llm(tiny_llama_dir)
+        llm.generate([tokens_prompt([9, 10, 11])], PARAMS)
+        llm.engine.kv_map()  # the page-map view holds the engine too
+        engine, model = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.model)
+        cache = weakref.ref(llm.engine.runner.kv_cache)
+        assert gc.get_freeze_count() > 0
+        del llm
+        assert engine() is None and model() is None and cache() is None
+    finally:
+        gc.unfreeze()
