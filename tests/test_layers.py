@@ -2,7 +2,7 @@
 TYPE_CHECKING alike) goes along an allowed edge between layers, and no modules import each other
 in a cycle.
 
-    neutral (sampling_params, outputs, step_plan, config, engine_args)
+    neutral (sampling_params, outputs, step_plan, config, engine_args, gc_heap)
     paging <- engine <- llm <- {chat, server <- bench} <- cli;   model <- engine
     {server, paging, model} <- router <- {bench, cli}   (the data-parallel router)
     paging and model know nothing of each other, of requests or of the layers above them.
@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "octavo"
 
 NEUTRAL = {"octavo.sampling_params", "octavo.outputs", "octavo.step_plan", "octavo.config",
-           "octavo.engine_args"}
+           "octavo.engine_args", "octavo.gc_heap"}
 # layer -> the layers it may import (its own included)
 ALLOWED = {
     "neutral": {"neutral"},
@@ -185,11 +185,8 @@ def test_the_sampler_never_sees_sampling_params_or_requests(graph):
 
 def test_paging_and_neutral_modules_need_no_third_party_package():
     stdlib_only = [m for m in MODULES if layer_of(m) in ("paging", "neutral")]
-    allowed = {"__future__", "argparse", "array", "bisect", "collections", "concurrent", "copy",
-               "dataclasses",
-               "difflib", "enum", "hashlib", "itertools", "json", "math", "operator", "pathlib",
-               "re",
-               "typing",
-               "octavo"}
+    allowed = {"__future__", "argparse", "array", "atexit", "bisect", "collections",
+               "concurrent", "copy", "dataclasses", "difflib", "enum", "gc", "hashlib",
+               "itertools", "json", "math", "operator", "pathlib", "re", "typing", "octavo"}
     heavy = {m: sorted(external_imports_of(m) - allowed) for m in stdlib_only}
     assert {m: v for m, v in heavy.items() if v} == {}
