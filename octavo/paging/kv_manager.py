@@ -1,5 +1,9 @@
 """Block tables on top of a BlockPool: allocate slots, fork (copy-on-write), free, swap.
 
+KVCacheManager holds every sequence's state; three of its parts live in their own modules as
+mixins over that state: the prefix-cache lookup (prefix_lookup.py), swap (kv_swap.py), and
+stats and invariants (kv_audit.py).
+
 The scheduler's side of the contract, on vLLM v1's lines: `get_computed_blocks(seq)` finds a
 new sequence's cached prefix (a pure query), then one `allocate_slots(seq, n, cached)` either
 gives `n` more tokens their slots and returns the block ids that changed, or returns None and
@@ -17,40 +21,19 @@ flattened batch does this per layer).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 from octavo.paging.allocator import CachedPrefix, NewBlocks
 from octavo.paging.block_pool import BlockPool, KVBlock, OutOfKVBlocks
+from octavo.paging.kv_audit import KVAudit
 from octavo.paging.kv_seq import KVSeq
-from octavo.paging.waste import check_slot_sum, paged_slot_stats
+from octavo.paging.kv_swap import KVSwap
+from octavo.paging.prefix_lookup import PrefixLookup
+from octavo.paging.seq_blocks import SeqBlocks, cdiv
 
 __all__ = ["KVCacheManager", "OutOfKVBlocks"]
 
 
-@dataclass(slots=True)
-class _Seq:
-    seq: KVSeq  # the caller's sequence: its tokens, block hashes and computed-token counter
-    # Per KV cache group: the block table, GPU blocks or CPU blocks while swapped out. A
-    # sliding-window group holds None where a block lay wholly before the window and went
-    # back to the pool.
-    blocks: list[list[KVBlock | None]]
-    # Per group, per registered full block: the cache key of an indexed block with the same
-    # whole prefix (None when none could be indexed). Its length is the number of blocks
-    # registered so far.
-    chain_keys: list[list[int | None]]
-    swapped: bool = False
-    # per group: entries below this are None (freed out of the window), so trimming is O(1)
-    trimmed: list[int] = field(default_factory=list)
-    # slots handed out past the known tokens for draft tokens (speculative decoding), until
-    # accept_lookahead says how many of them the step's verification kept
-    lookahead: int = 0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class KVCacheManager:
+class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
     """Paged KV cache: per-sequence block tables over shared, ref-counted physical blocks.
 
     With prefix caching on, every block that fills is registered under its sequence's block
@@ -97,7 +80,7 @@ class KVCacheManager:
         self.null_block_id = num_blocks
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
-        self._seqs: dict[int, _Seq] = {}
+        self._seqs: dict[int, SeqBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
@@ -112,7 +95,7 @@ class KVCacheManager:
             return 0
         return max(0, pos - window + 1) // self.block_size
 
-    def _trim(self, state: _Seq) -> int:
+    def _trim(self, state: SeqBlocks) -> int:
         """Free the sliding groups' blocks that no query to come can see."""
         freed = 0
         for g, window in enumerate(self.windows):
@@ -144,79 +127,6 @@ class KVCacheManager:
         """Each group indexes its blocks under its own name for the same prefix."""
         return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
-    def get_computed_blocks(self, seq: KVSeq) -> CachedPrefix:
-        """Cached blocks covering the longest full-block prefix of a new sequence that every
-        group can resume from, leaving at least one token to compute. A full-attention group
-        needs every block of the prefix, a sliding group only those its window still sees.
-        A pure query: no references taken, no stats counted."""
-        if not self.enable_prefix_caching:
-            return self._no_hit
-        n = min((len(seq.token_ids) - 1) // self.block_size, len(seq.block_hashes))
-        found: list[list[KVBlock | None]] = [[] for _ in self.windows]
-        while True:  # each group may shorten the hit; stop when none does
-            before = n
-            for g in self._group_order:
-                if self.windows[g] is None:
-                    found[g] = self._full_hits(seq, g, n)
-                else:
-                    anchor = None if self._anchor is None else found[self._anchor]
-                    found[g] = self._window_hits(seq, g, n, anchor)
-                n = min(n, len(found[g]))
-            if n == before:
-                break
-        if n == 0:
-            return self._no_hit
-        return CachedPrefix(tuple(tuple(hits[:n]) for hits in found), n * self.block_size)
-
-    def _block_tokens(self, seq: KVSeq, i: int) -> tuple[int, ...]:
-        bs = self.block_size
-        return tuple(seq.token_ids[i * bs : (i + 1) * bs])
-
-    def _full_hits(self, seq: KVSeq, g: int, n: int) -> list[KVBlock | None]:
-        """The leading blocks of `seq` cached in `g`, each chained onto the one before."""
-        hits: list[KVBlock | None] = []
-        parent_key = 0
-        for i in range(n):
-            blk = self.block_pool.get_cached_block(
-                self._key(seq.block_hashes[i], g), self._block_tokens(seq, i), parent_key,
-                seq.extra_key)
-            if blk is None:
-                break
-            hits.append(blk)
-            parent_key = blk.cache_key
-        return hits
-
-    def _window_hits(self, seq: KVSeq, g: int, n: int,
-                     anchor: list[KVBlock | None] | None) -> list[KVBlock | None]:
-        """The longest prefix of at most `n` blocks whose blocks in `g`'s window of the next
-        query are all cached (None before the window), scanning from the right once.
-
-        In a hybrid model each sliding block was registered as the child of the anchor group's
-        block at the same position, whose chain vouches for the whole prefix. Where every group
-        slides, consecutive hits must chain onto each other; the first block of the window is
-        named by its prefix's digest alone (the blocks before it are gone)."""
-        pool = self.block_pool
-        end = n
-        hits: dict[int, KVBlock] = {}  # verified so far, by block index
-        while end > 0:
-            first = self._first_live(g, end * self.block_size)
-            for i in range(end - 1, first - 1, -1):
-                parent = None if anchor is None else anchor[i].cache_key  # type: ignore[union-attr]
-                blk = hits.get(i) or pool.get_cached_block(
-                    self._key(seq.block_hashes[i], g), self._block_tokens(seq, i), parent,
-                    seq.extra_key)
-                if blk is None:
-                    end = i  # no hit may include block i
-                    break
-                nxt = hits.get(i + 1) if i + 1 < end else None
-                if anchor is None and nxt is not None and nxt.parent_key != blk.cache_key:
-                    end = i + 1  # blocks i and i + 1 do not chain: a hit may end at i + 1
-                    break
-                hits[i] = blk
-            else:
-                return [hits[j] if j >= first else None for j in range(end)]
-        return []
-
     def _check_hashes(self, seq: KVSeq, end: int) -> None:
         """Before anything changes: the prefix cache needs the hash of every block that will be
         full, named by a hasher of this block size."""
@@ -232,7 +142,7 @@ class KVCacheManager:
                 f"give it a BlockHasher({bs}) when prefix caching is on"
             )
 
-    def _register_full_blocks(self, state: _Seq) -> None:
+    def _register_full_blocks(self, state: SeqBlocks) -> None:
         seq, bs = state.seq, self.block_size
         for g in self._group_order:
             keys, table = state.chain_keys[g], state.blocks[g]
@@ -317,13 +227,13 @@ class KVCacheManager:
         self._fill(state, end)
         if self.enable_prefix_caching:
             self._register_full_blocks(state)
-        keep = _cdiv(end, self.block_size)
+        keep = cdiv(end, self.block_size)
         for table in state.blocks:
             tail = table[keep:]
             del table[keep:]
             self.block_pool.free(blk for blk in reversed(tail) if blk is not None)
 
-    def _new_blocks(self, state: _Seq, starts: list[int]) -> NewBlocks:
+    def _new_blocks(self, state: SeqBlocks, starts: list[int]) -> NewBlocks:
         null = self.null_block_id
         tables = [(start, [null if blk is None else blk.block_id for blk in table[start:]])
                   for start, table in zip(starts, state.blocks, strict=True)]
@@ -350,7 +260,7 @@ class KVCacheManager:
         self._check_hashes(seq, end)
         live = [blk for group in hits for blk in group if blk is not None]
         # A hit on a cached-free block takes it off the free list; a hit on a used one is free.
-        fresh = _cdiv(end, bs) - len(hits[0])
+        fresh = cdiv(end, bs) - len(hits[0])
         if sum(blk.ref_cnt == 0 for blk in live) + fresh * self.num_groups > pool.num_free_blocks:
             return None
         for blk in live:  # before any get_new_block(), so no hit can be evicted under us
@@ -359,7 +269,7 @@ class KVCacheManager:
         chain_keys = [[None if blk is None else blk.cache_key for blk in hits[g]] for g in groups]
         trimmed = [next((i for i, b in enumerate(hits[g]) if b is not None), len(hits[g]))
                    for g in groups]
-        state = _Seq(seq, blocks, chain_keys, trimmed=trimmed)
+        state = SeqBlocks(seq, blocks, chain_keys, trimmed=trimmed)
         self._seqs[seq.seq_id] = state
         seq.num_computed_tokens = num_cached
         self._fill(state, end)
@@ -370,7 +280,7 @@ class KVCacheManager:
                 self.prefix_cache_hit_tokens += num_cached
         return self._new_blocks(state, [0] * self.num_groups)
 
-    def _grow(self, state: _Seq, num_new_tokens: int, lookahead: int = 0) -> NewBlocks | None:
+    def _grow(self, state: SeqBlocks, num_new_tokens: int, lookahead: int = 0) -> NewBlocks | None:
         seq, pool, bs = state.seq, self.block_pool, self.block_size
         end = self._checked_end(seq, seq.num_computed_tokens, num_new_tokens)
         self._check_hashes(seq, end)
@@ -379,7 +289,7 @@ class KVCacheManager:
         if self._has_window:
             self._trim(state)  # dead blocks: freeing them is right whatever happens next
         copies = [self._needs_copy_on_write(state, g) for g in range(self.num_groups)]
-        grow = max(0, _cdiv(end + lookahead, bs) - len(state.blocks[0]))
+        grow = max(0, cdiv(end + lookahead, bs) - len(state.blocks[0]))
         if grow * self.num_groups + sum(copies) > pool.num_free_blocks:
             return None
         starts = []
@@ -412,16 +322,16 @@ class KVCacheManager:
             )
         return end
 
-    def _fill(self, state: _Seq, end: int) -> None:
+    def _fill(self, state: SeqBlocks, end: int) -> None:
         bs = self.block_size
         for table in state.blocks:
-            for i in range(state.seq.num_computed_tokens // bs, _cdiv(end, bs)):
+            for i in range(state.seq.num_computed_tokens // bs, cdiv(end, bs)):
                 blk = table[i]
                 assert blk is not None
                 self.block_pool.set_filled(blk, min(bs, end - i * bs))
         state.seq.num_computed_tokens = end
 
-    def _needs_copy_on_write(self, state: _Seq, group: int) -> bool:
+    def _needs_copy_on_write(self, state: SeqBlocks, group: int) -> bool:
         # The next slot is inside the last block; writing it must not change other sequences' KV.
         n = state.seq.num_computed_tokens
         if n % self.block_size == 0:
@@ -447,7 +357,7 @@ class KVCacheManager:
             for blk in table:
                 if blk is not None:
                     self.block_pool.touch(blk)
-        self._seqs[child.seq_id] = _Seq(child, [list(t) for t in parent.blocks],
+        self._seqs[child.seq_id] = SeqBlocks(child, [list(t) for t in parent.blocks],
                                         [list(k) for k in parent.chain_keys],
                                         trimmed=list(parent.trimmed))
 
@@ -482,111 +392,8 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    # -- swap -----------------------------------------------------------------------------------
-    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
-        """Move a group of sequences to CPU blocks and return the (gpu_block, cpu_block)
-        copies, or None (nothing moves) when the CPU pool is too small. A block shared inside
-        the group is copied once and stays shared; its GPU copy stays prefix-cached."""
-        states = self._group(seq_ids, swapped=False)
-        for state in states:
-            if state.lookahead:
-                raise ValueError(f"sequence {state.seq.seq_id} holds lookahead slots: accept "
-                                 "them first")
-        for state in states:
-            self.free_out_of_window(state.seq.seq_id)  # nothing to carry that nobody reads
-        cpu = self.cpu_pool
-        distinct = {blk.block_id for s in states for t in s.blocks for blk in t if blk is not None}
-        if len(distinct) > cpu.num_free_blocks:
-            return None
-        placed: dict[int, KVBlock] = {}
-        copies: list[tuple[int, int]] = []
-        for state in states:
-            cpu_tables: list[list[KVBlock | None]] = []
-            for table in state.blocks:
-                cpu_blocks: list[KVBlock | None] = []
-                for blk in table:
-                    if blk is None:
-                        cpu_blocks.append(None)
-                        continue
-                    dst = placed.get(blk.block_id)
-                    if dst is None:
-                        dst = placed[blk.block_id] = cpu.get_new_block()
-                        cpu.set_filled(dst, blk.num_filled)
-                        dst.token_ids = blk.token_ids
-                        copies.append((blk.block_id, dst.block_id))
-                    else:
-                        cpu.touch(dst)
-                    cpu_blocks.append(dst)
-                self.block_pool.free(blk for blk in reversed(table) if blk is not None)
-                cpu_tables.append(cpu_blocks)
-            state.blocks, state.swapped = cpu_tables, True
-        return copies
 
-    def _swap_in_plan(self, states: list[_Seq]) -> tuple[dict[int, KVBlock | None], int]:
-        """For each distinct CPU block: the still-cached GPU block with the very same contents
-        (reused without a copy), or None. Also the number of free GPU blocks it takes."""
-        reuse: dict[int, KVBlock | None] = {}
-        for state in states:
-            hashes = state.seq.block_hashes
-            for g, (table, keys) in enumerate(zip(state.blocks, state.chain_keys, strict=True)):
-                for i, cpu_blk in enumerate(table):
-                    if cpu_blk is not None and cpu_blk.block_id not in reuse:
-                        reuse[cpu_blk.block_id] = (
-                            self.block_pool.get_block_by_key(self._key(hashes[i], g), keys[i])
-                            if i < len(keys)
-                            else None
-                        )
-        copied = sum(target is None for target in reuse.values())
-        revived = {t.block_id for t in reuse.values() if t is not None and t.ref_cnt == 0}
-        return reuse, copied + len(revived)
-
-    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
-        """Bring a swapped group back and return the (cpu_block, gpu_block) copies, or None
-        (nothing moves) when the free GPU blocks do not suffice."""
-        states = self._group(seq_ids, swapped=True)
-        pool = self.block_pool
-        reuse, needed = self._swap_in_plan(states)
-        if needed > pool.num_free_blocks:
-            return None
-        for target in reuse.values():  # one reference per CPU block, taken before any eviction
-            if target is not None:
-                pool.touch(target)
-        placed: dict[int, tuple[KVBlock, int | None]] = {}
-        copies: list[tuple[int, int]] = []
-        for state in states:
-            seq = state.seq
-            gpu_tables: list[list[KVBlock | None]] = [[] for _ in self.windows]
-            for g in self._group_order:
-                table, keys = state.blocks[g], state.chain_keys[g]
-                gpu_blocks: list[KVBlock | None] = []
-                for i, cpu_blk in enumerate(table):
-                    if cpu_blk is None:
-                        gpu_blocks.append(None)
-                        continue
-                    full = i < len(keys)
-                    if cpu_blk.block_id in placed:
-                        gpu, key = placed[cpu_blk.block_id]
-                        pool.touch(gpu)
-                    elif (target := reuse[cpu_blk.block_id]) is not None:
-                        gpu, key = target, keys[i]
-                    else:
-                        gpu, key = pool.get_new_block(), None
-                        pool.set_filled(gpu, cpu_blk.num_filled)
-                        copies.append((cpu_blk.block_id, gpu.block_id))
-                        if full and cpu_blk.token_ids is not None:
-                            key = self._record_full_block(
-                                gpu, self._key(seq.block_hashes[i], g), cpu_blk.token_ids,
-                                self._parent_key(state, g, i), seq)
-                    placed[cpu_blk.block_id] = (gpu, key)
-                    if full:
-                        keys[i] = key
-                    gpu_blocks.append(gpu)
-                self.cpu_pool.free(blk for blk in reversed(table) if blk is not None)
-                gpu_tables[g] = gpu_blocks
-            state.blocks, state.swapped = gpu_tables, False
-        return copies
-
-    def _parent_key(self, state: _Seq, g: int, i: int) -> int | None:
+    def _parent_key(self, state: SeqBlocks, g: int, i: int) -> int | None:
         """What block i of group g chains onto when it is registered: the block before it in
         a full-attention group (and where every group slides), the anchor's block at the same
         position in a sliding group of a hybrid model."""
@@ -630,134 +437,21 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.num_used_blocks / self.num_blocks
 
-    def sliding_blocks_held(self) -> int:
-        """The most blocks any running sequence holds in one sliding-window group (0 without
-        sliding groups): what the window bounds, about window/block_size + 1."""
-        held = [len(s.blocks[g]) - s.trimmed[g]  # every entry from the trim mark on is held
-                for s in self._seqs.values() if not s.swapped
-                for g, w in enumerate(self.windows) if w is not None]
-        return max(held, default=0)
-
-    def _out_of_window_slots(self) -> int:
-        """Filled slots of held sliding-window blocks that no query to come sees (the old end
-        of a block straddling the window's start; also blocks not yet trimmed): waste. A slot
-        of a shared block is dead only when it is dead for every sequence holding it."""
-        if not self._has_window:
-            return 0
-        dead: dict[int, list[int]] = {}
-        blocks: dict[int, KVBlock] = {}
-        for state in self._seqs.values():
-            if state.swapped:
-                continue
-            computed = state.seq.num_computed_tokens
-            for g, window in enumerate(self.windows):
-                if window is None:
-                    continue
-                start = max(0, computed - window + 1)  # the first position still seen
-                for i in range(state.trimmed[g], _cdiv(start, self.block_size)):
-                    blk = state.blocks[g][i]
-                    if blk is not None:
-                        blocks[blk.block_id] = blk
-                        dead.setdefault(blk.block_id, []).append(
-                            min(blk.num_filled, start - i * self.block_size))
-        # a holder missing from the list reads the whole block
-        return sum(min(counts) for bid, counts in dead.items()
-                   if len(counts) == blocks[bid].ref_cnt)
-
-    def stats(self) -> dict[str, int | float]:
-        pool = self.block_pool
-        # every entry from a table's trim mark on holds a block
-        table_entries = sum(len(table) - mark for s in self._seqs.values() if not s.swapped
-                            for table, mark in zip(s.blocks, s.trimmed, strict=True))
-        dead = self._out_of_window_slots()
-        return {
-            "kv_blocks_total": self.num_blocks,
-            "kv_blocks_used": pool.num_used_blocks,
-            "kv_blocks_cached_free": pool.num_cached_free_blocks,
-            **paged_slot_stats(
-                block_size=self.block_size,
-                num_used_blocks=pool.num_used_blocks,
-                num_free_blocks=pool.num_free_blocks,
-                live_slots=pool.num_live_slots - dead,
-            ),
-            "kv_slots_out_of_window": dead,
-            "kv_blocks_saved_by_sharing": table_entries - pool.num_used_blocks,
-            "kv_cache_groups": self.num_groups,
-            "kv_blocks_freed_out_of_window": self.blocks_freed_out_of_window,
-            "kv_sliding_blocks_held_max": self.sliding_blocks_held(),
-            "prefix_cache_query_tokens": self.prefix_cache_query_tokens,
-            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
-            "peak_kv_blocks_used": pool.peak_used_blocks,
-            "kv_cpu_blocks_total": self.cpu_pool.num_blocks,
-            "kv_cpu_blocks_used": self.cpu_pool.num_used_blocks,
-        }
-
-    def check_invariants(self) -> None:
-        bs = self.block_size
-        self.block_pool.check_invariants(states=False)  # checked last, below
-        self.cpu_pool.check_invariants(states=False)
-        refs = {False: [0] * self.num_blocks, True: [0] * self.cpu_pool.num_blocks}
-        for seq_id, state in self._seqs.items():
-            seq = state.seq
-            computed = seq.num_computed_tokens
-            assert seq.seq_id == seq_id, f"seq {seq_id} is filed under another id"
-            assert computed <= len(seq.token_ids), f"seq {seq_id}: computed unknown tokens"
-            assert len(state.blocks) == len(state.chain_keys) == self.num_groups, (
-                f"seq {seq_id}: {len(state.blocks)} block tables for {self.num_groups} groups")
-            n_full = computed // bs if self.enable_prefix_caching else 0
-            for g, (table, keys) in enumerate(zip(state.blocks, state.chain_keys, strict=True)):
-                where = f"seq {seq_id} group {g}"
-                assert len(table) == _cdiv(computed + state.lookahead, bs), (
-                    f"{where}: {len(table)} blocks for {computed} tokens and "
-                    f"{state.lookahead} lookahead slots (paging reserves nothing ahead)")
-                live = [blk for blk in table if blk is not None]
-                assert len({id(b) for b in live}) == len(live), (
-                    f"{where}: a block appears twice in one block table")
-                dead = self._first_live(g, computed)
-                for i, blk in enumerate(table):
-                    if blk is None:
-                        assert i < dead, f"{where}: block {i} freed but still in the window"
-                        continue
-                    assert i >= state.trimmed[g], f"{where}: block {i} below the trim mark"
-                assert len(keys) == n_full, (
-                    f"{where}: {len(keys)} registered blocks of {n_full} full ones")
-                for i, blk in enumerate(table):
-                    if blk is None:
-                        continue
-                    refs[state.swapped][blk.block_id] += 1
-                    expect = max(0, min(bs, computed - i * bs))
-                    assert blk.num_filled == expect, (
-                        f"{where} block {blk.block_id}: {blk.num_filled} slots filled, "
-                        f"expected {expect}")
-                    if blk.block_hash is not None and not state.swapped:
-                        assert i < n_full and blk.block_hash == self._key(
-                            seq.block_hashes[i], g), (
-                            f"{where} block {blk.block_id}: cached under another position's "
-                            "hash")
-        for swapped, pool in ((False, self.block_pool), (True, self.cpu_pool)):
-            for blk in pool.blocks:
-                assert blk.ref_cnt == refs[swapped][blk.block_id], (
-                    f"{'CPU' if swapped else 'GPU'} block {blk.block_id}: ref count "
-                    f"{blk.ref_cnt} but held by {refs[swapped][blk.block_id]} block tables"
-                )
-        self.block_pool.check_states()
-        self.cpu_pool.check_states()
-        check_slot_sum(self.stats(), self.num_blocks * bs)
 
     # -- helpers --------------------------------------------------------------------------------
-    def _get(self, seq_id: int) -> _Seq:
+    def _get(self, seq_id: int) -> SeqBlocks:
         try:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"sequence {seq_id} has no KV blocks") from None
 
-    def _on_gpu(self, seq_id: int) -> _Seq:
+    def _on_gpu(self, seq_id: int) -> SeqBlocks:
         state = self._get(seq_id)
         if state.swapped:
             raise ValueError(f"sequence {seq_id} is swapped out; swap it in first")
         return state
 
-    def _group(self, seq_ids: Sequence[int], *, swapped: bool) -> list[_Seq]:
+    def _group(self, seq_ids: Sequence[int], *, swapped: bool) -> list[SeqBlocks]:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"duplicate sequence ids in {list(seq_ids)}")
         states = [self._get(s) for s in seq_ids]
