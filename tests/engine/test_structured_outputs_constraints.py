@@ -1,40 +1,37 @@
-"""Structured outputs (constrained decoding) end to end on the embedded SmolLM2 (fp32).
+"""Structured outputs (constrained decoding) end to end on the embedded SmolLM2 (fp32): what
+each kind of constraint produces, and how constraints combine with the other sampling options.
 
 Every output of a constrained request follows its constraint: sampled JSON against the bench
-schemas (n=1, n=4, prefix-cache hits), regexes, choices, Lark and GBNF grammars, json_object;
-under preemption (recompute and swap) and chunked prefill, and across block sizes 8/16/32, with
-greedy outputs equal to a roomy engine's; greedy constrained decoding equals a brute-force
-reference built from HF transformers' logits and the vocabulary. Also: stop strings, logprobs,
-length cuts, bad constraints (ValueError, nothing leaked), allowed_token_ids, bad_words,
-min_tokens, the JSON whitespace options; every KV block back in the pool at the end.
+schemas (n=1, n=4, prefix-cache hits), regexes, choices, Lark and GBNF grammars, json_object.
+Also: stop strings, logprobs, length cuts, bad constraints (ValueError, nothing leaked),
+allowed_token_ids, bad_words, min_tokens, the JSON whitespace options, num_cached_tokens.
+Preemption, chunked prefill, block sizes, speculative decoding and the brute-force reference
+are in test_structured_outputs_exactness.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 import jsonschema
 import pytest
-import torch
 
 from octavo import LLM, SamplingParams
 from octavo.bench.json_schemas import SCHEMAS
 from octavo.sampling_params import StructuredOutputsParams as SO
-
-ROOMY_BLOCKS = 1024  # bs 16: 16k tokens, far more than any batch here needs
-NAMES = list(SCHEMAS)
-
-# ---- engines ------------------------------------------------------------------------------
-
-_ENGINES: list[LLM] = []
-
-
-def _build(**options: Any) -> LLM:
-    llm = LLM(dtype="float32", **options)
-    _ENGINES.append(llm)
-    return llm
+from tests.engine.structured_outputs_helpers import (
+    CHOICES,
+    NAMES,
+    REGEXES,
+    ROOMY_BLOCKS,
+    _build,
+    assert_idle,
+    chat,
+    check_valid,
+    json_params,
+    json_problems,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,43 +43,6 @@ def llm() -> LLM:
 @pytest.fixture(scope="module")
 def tok(llm):
     return llm.engine.tokenizer
-
-
-def chat(tok, message: str, system: str | None = None) -> str:
-    conv = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": message}]
-    return tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-
-
-def assert_idle(llm: LLM) -> None:
-    """No request left, no KV block held (device or host), the allocator consistent."""
-    s = llm.engine.stats()
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.requests == {}
-    assert s["kv_blocks_used"] == 0, s
-    assert s["kv_cpu_blocks_used"] == 0, s
-    assert s["num_requests_running"] == s["num_requests_waiting"] == 0
-    assert s["num_requests_swapped"] == 0
-    llm.engine.check_invariants()
-
-
-def json_problems(texts_and_schemas, finish_reasons) -> list[str]:
-    """Every output that is not valid JSON following its schema, or did not finish 'stop'."""
-    problems = []
-    for (name, text), reason in zip(texts_and_schemas, finish_reasons, strict=True):
-        if reason != "stop":
-            problems.append(f"{name}: finish_reason={reason!r}: {text!r}")
-            continue
-        try:
-            jsonschema.validate(json.loads(text), SCHEMAS[name])
-        except (json.JSONDecodeError, jsonschema.ValidationError) as e:
-            problems.append(f"{name}: {type(e).__name__}: {str(e)[:200]}: {text!r}")
-    return problems
-
-
-def json_params(name: str, **kw: Any) -> SamplingParams:
-    kw.setdefault("max_tokens", 400)
-    return SamplingParams(structured_outputs=SO(json=SCHEMAS[name]), **kw)
 
 
 # ---- 1-2. sampled JSON against the bench schemas --------------------------------------------
@@ -147,21 +107,11 @@ def test_sampled_json_n4_with_prefix_cache_hits(llm, tok):
 
 # ---- 3. regex, choice, Lark, GBNF, json_object ----------------------------------------------
 
-REGEXES = {
-    "phone": r"\(\d{3}\) \d{3}-\d{4}",
-    "phone_ascii": r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}",
-    "date": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
-    "date_d": r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])",
-    "pet": r"(cat|dog|bird)s?",
-    "word_num": r"[A-Z][a-z]{1,8} [0-9]{1,3}",
-}
 REGEX_PROMPTS = {
     "phone": "Give me a phone number.", "phone_ascii": "Give me a phone number.",
     "date": "Give me a date.", "date_d": "Give me a date.", "pet": "Name a pet.",
     "word_num": "Name a street and a house number.",
 }
-
-CHOICES = ['say "hi"', "back\\slash", "café ☕", "plain", "日本語", "new\nline"]
 
 LARK = r"""
 start: expr
@@ -271,212 +221,6 @@ def test_regex_choice_grammars_json_object(llm, tok):
     assert not problems, "\n".join(problems)
     assert len(seen_choices) >= 2  # sampling reaches more than one choice
     assert json_object_cut <= 3  # most json_object samples close their object
-    assert_idle(llm)
-
-
-# ---- 4-5. preemption, chunked prefill, block sizes; greedy equals the roomy engine -----------
-
-SUBJECTS = ["for a customer", "for a test", "from a shop"]
-
-
-def preemption_requests(tok) -> tuple[list[str], list[SamplingParams], list[str]]:
-    """16 requests: 10 greedy JSON, 2 greedy regex, 1 greedy choice, 3 seeded-sampled JSON."""
-    prompts, params, kinds = [], [], []
-    for i in range(13):
-        name = NAMES[i % 6]
-        prompts.append(chat(tok, f"Write a JSON object of a {name} {SUBJECTS[i // 6]}."))
-        sampled = i >= 10
-        params.append(json_params(name, temperature=1.0 if sampled else 0.0,
-                                  seed=7 + i if sampled else None))
-        kinds.append(name)
-    prompts += [chat(tok, "Give me a phone number."), chat(tok, "Give me a date."),
-                chat(tok, "Pick one of the options.")]
-    params += [SamplingParams(temperature=0, max_tokens=100,
-                              structured_outputs=SO(regex=REGEXES["phone"])),
-               SamplingParams(temperature=0, max_tokens=100,
-                              structured_outputs=SO(regex=REGEXES["date"])),
-               SamplingParams(temperature=0, max_tokens=100,
-                              structured_outputs=SO(choice=CHOICES))]
-    kinds += ["regex:phone", "regex:date", "choice"]
-    return prompts, params, kinds
-
-
-def check_valid(kind: str, text: str) -> bool:
-    if kind.startswith("regex:"):
-        return re.fullmatch(REGEXES[kind[6:]], text) is not None
-    if kind == "choice":
-        return text in CHOICES
-    try:
-        jsonschema.validate(json.loads(text), SCHEMAS[kind])
-    except (json.JSONDecodeError, jsonschema.ValidationError):
-        return False
-    return True
-
-
-def drive(llm: LLM, prompts, params) -> tuple[list, dict[str, int]]:
-    """Run requests through engine.step() (what LLM.generate does), checking the allocator's
-    invariants every step and recording peaks of the host pool and of running requests."""
-    engine = llm.engine
-    ids = [f"pre-{i}-{id(prompts)}" for i in range(len(prompts))]
-    for rid, p, sp in zip(ids, prompts, params, strict=True):
-        engine.add_request(rid, p, sp)
-    done: dict[str, Any] = {}
-    peaks = {"kv_cpu_blocks_used": 0, "num_requests_swapped": 0}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_invariants()
-        s = engine.stats()
-        for k in peaks:
-            peaks[k] = max(peaks[k], s[k])
-    return [done[rid] for rid in ids], peaks
-
-
-@pytest.fixture(scope="module")
-def roomy_reference(llm, tok):
-    """The 16 requests on the roomy engine (one batch), and the first three of them alone."""
-    prompts, params, kinds = preemption_requests(tok)
-    batch = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    alone = [llm.generate(prompts[i], params[i], use_tqdm=False)[0].outputs[0]
-             for i in (0, 3, 13)]
-    return prompts, params, kinds, batch, alone
-
-
-def test_roomy_batch_equals_alone(roomy_reference, llm):
-    _, _, kinds, batch, alone = roomy_reference
-    for i, a in zip((0, 3, 13), alone, strict=True):
-        assert batch[i].token_ids == a.token_ids, kinds[i]
-    for kind, c in zip(kinds, batch, strict=True):
-        assert c.finish_reason == "stop" and check_valid(kind, c.text), (kind, c.text)
-    assert_idle(llm)
-
-
-@pytest.mark.parametrize("config", [
-    dict(block_size=8, num_kv_blocks=40, max_num_batched_tokens=64,
-         preemption_mode="recompute"),
-    dict(block_size=32, num_kv_blocks=10, max_num_batched_tokens=48, preemption_mode="swap"),
-], ids=["bs8-recompute-chunked", "bs32-swap-chunked"])
-def test_preemption_chunked_prefill_block_sizes(roomy_reference, config):
-    """16 concurrent requests on a 320-token KV cache with a small token budget (chunked
-    prefill): preemptions happen (swap mode really swaps), every output is valid, finishes
-    'stop', and equals the roomy engine's (block size 16) token for token; greedy and seeded."""
-    prompts, params, kinds, batch, _ = roomy_reference
-    small = _build(**config)
-    outs, peaks = drive(small, prompts, params)
-    stats = small.engine.stats()
-    assert stats["num_preemptions"] > 0, stats
-    if config["preemption_mode"] == "swap":
-        assert stats["kv_cpu_blocks_total"] > 0
-        assert peaks["kv_cpu_blocks_used"] > 0 and peaks["num_requests_swapped"] > 0, peaks
-    mismatches, invalid = [], []
-    for kind, out, ref in zip(kinds, outs, batch, strict=True):
-        c = out.outputs[0]
-        if c.finish_reason != "stop" or not check_valid(kind, c.text):
-            invalid.append(f"{kind}: {c.finish_reason}: {c.text!r}")
-        if c.token_ids != ref.token_ids:
-            mismatches.append(f"{kind}: {c.text!r} != roomy {ref.text!r}")
-    assert not invalid, "\n".join(invalid)
-    assert not mismatches, "\n".join(mismatches)
-    assert_idle(small)
-
-
-def test_speculative_decoding_keeps_constrained_outputs(roomy_reference):
-    """n-gram drafts for constrained sequences: only drafts the grammar takes are sent, each
-    draft position samples under the mask after the drafts before it, and every output equals
-    the roomy engine's token for token (greedy and seeded), valid and finished 'stop'."""
-    prompts, params, kinds, batch, _ = roomy_reference
-    spec = _build(num_kv_blocks=ROOMY_BLOCKS, block_size=16, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3, "cost_model": False})
-    outs = spec.generate(prompts, params, use_tqdm=False)
-    for kind, out, ref in zip(kinds, outs, batch, strict=True):
-        c = out.outputs[0]
-        assert c.finish_reason == "stop" and check_valid(kind, c.text), (kind, c.text)
-        assert c.token_ids == ref.token_ids, (kind, c.text, ref.text)
-    stats = spec.stats()
-    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
-    assert_idle(spec)
-
-
-def test_greedy_constrained_deterministic(llm, tok):
-    """The same greedy constrained requests twice, in different batch company: same tokens."""
-    prompts, params, kinds = preemption_requests(tok)
-    pick = [0, 3, 13, 15]
-    first = llm.generate([prompts[i] for i in pick], [params[i] for i in pick], use_tqdm=False)
-    second = llm.generate([prompts[i] for i in reversed(pick)],
-                          [params[i] for i in reversed(pick)], use_tqdm=False)[::-1]
-    for a, b in zip(first, second, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert_idle(llm)
-
-
-# ---- 5. greedy constrained decoding equals a brute-force reference (HF logits) --------------
-
-@pytest.fixture(scope="module")
-def vocab_text(tok) -> list[str | None]:
-    """Each token's text; None for added/special tokens (a grammar never allows them)."""
-    special = set(tok.added_tokens_decoder)
-    texts = tok.batch_decode([[i] for i in range(len(tok))])
-    return [None if i in special else t for i, t in enumerate(texts)]
-
-
-def brute_force_greedy(hf_model, prompt_ids, vocab_text, eos, allowed_after, max_steps=12):
-    """Greedy decoding where each step's allowed tokens are found by scanning the vocabulary
-    with `allowed_after(text, token_text) -> bool` (and `allowed_after(text, None)` says
-    whether EOS may end `text`)."""
-    out: list[int] = []
-    text = ""
-    with torch.no_grad():
-        for _ in range(max_steps):
-            logits = hf_model(torch.tensor([prompt_ids + out])).logits[0, -1]
-            cands = [i for i, t in enumerate(vocab_text) if t and allowed_after(text, t)]
-            if allowed_after(text, None):
-                cands.append(eos)
-            assert cands, f"no token allowed after {text!r}"
-            best = max(cands, key=lambda i: logits[i].item())
-            out.append(best)
-            if best == eos:
-                return out
-            text += vocab_text[best]
-    return out
-
-
-def choice_rule(choices):
-    def allowed(text, piece):
-        if piece is None:
-            return text in choices
-        return any(c.startswith(text + piece) for c in choices)
-    return allowed
-
-
-def digits_rule(n):
-    def allowed(text, piece):
-        if piece is None:
-            return len(text) == n
-        return piece.isascii() and piece.isdigit() and len(text) + len(piece) <= n
-    return allowed
-
-
-def test_greedy_equals_brute_force_reference(llm, tok, hf_model, vocab_text):
-    eos = llm.engine.eos_token_id
-    cases = [
-        (chat(tok, "Is the sky blue? Answer yes or no."), SO(choice=["yes", "no"]),
-         choice_rule(["yes", "no"])),
-        (chat(tok, "Is fire cold? Answer yes or no."), SO(choice=["yes", "no"]),
-         choice_rule(["yes", "no"])),
-        (chat(tok, "Pick a colour."), SO(choice=["red", "green", "blue", "yellow"]),
-         choice_rule(["red", "green", "blue", "yellow"])),
-        (chat(tok, "What is 12 times 12?"), SO(regex="[0-9]{3}"), digits_rule(3)),
-        (chat(tok, "Give me a year."), SO(regex="[0-9]{4}"), digits_rule(4)),
-    ]
-    outs = llm.generate([c[0] for c in cases],
-                        [SamplingParams(temperature=0, max_tokens=20, structured_outputs=c[1])
-                         for c in cases], use_tqdm=False)
-    for (_, _, rule), out in zip(cases, outs, strict=True):
-        ref = brute_force_greedy(hf_model, list(out.prompt_token_ids), vocab_text, eos, rule)
-        assert out.outputs[0].token_ids == ref, (out.outputs[0].text, tok.decode(ref))
-        assert out.outputs[0].finish_reason == "stop"
     assert_idle(llm)
 
 
@@ -709,17 +453,6 @@ def test_min_tokens_with_grammar_that_completes_early(llm, tok):
         assert c.text == "a" and c.finish_reason == "stop", c
         assert c.token_ids == a + [eos]
     assert_idle(llm)
-
-
-# ---- 8. every block back in the pool -----------------------------------------------------------
-
-def test_every_engine_idle_at_the_end(llm):
-    assert _ENGINES
-    for engine in _ENGINES:
-        assert_idle(engine)
-        s = engine.engine.stats()
-        assert s["kv_slots_live"] == 0
-        assert s["kv_blocks_saved_by_sharing"] == 0
 
 
 # ---- last: a finding outside structured outputs proper -----------------------------------------
