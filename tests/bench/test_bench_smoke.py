@@ -110,9 +110,27 @@ def test_throughput_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) ->
     assert {"octavo-paged", "octavo-contiguous", "hf-generate", "GEMM floor"} <= engines
     for r in rows:
         if r["engine"] == "GEMM floor":
-            assert r["gemm"]["prefill_flops"] > 0 and r["gemm"]["decode_gflops"] > 0
+            g = r["gemm"]
+            assert g["prefill_flops"] > 0 and g["decode_gflops"] > 0
+            assert g["decode_gflops_own_weights"] > 0 and g["prefill_gflops_own_weights"] > 0
+            assert r["x_own_weights_time"] == r["median_s"] / g["own_weights_s"]
         else:  # nothing runs the whole model faster than its matmuls alone
             assert r["x_floor_time"] > 1
+
+
+def test_gemm_rate_needs_at_least_one_copy_of_the_weights() -> None:
+    import torch
+
+    from octavo.bench.roofline import gemm_rate
+    from octavo.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5,
+                      rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    assert gemm_rate(cfg, torch.float32, 2, repeats=1, copies=2) > 0
+    with pytest.raises(ValueError, match="copies must be >= 1"):
+        gemm_rate(cfg, torch.float32, 2, repeats=1, copies=0)
 
 
 def test_gemm_floor_counts_every_weight_once_per_token() -> None:
