@@ -232,11 +232,11 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         "token but the last through every layer, the vocabulary projection once per generated "
         "token) at the rate oneDNN's pre-packed matmul reaches here on the same threads "
         "(batch 32 for decode, 512 for prefill; octavo/bench/roofline.py). No engine that runs "
-        "the model in full can finish faster; attention and the rest come on top. It times "
-        "one layer's weights over and over, hot in the caches, so it is the compute bound. "
-        "Matmuls, own weights: the same FLOPs over as many sets of weights as the model has "
-        "layers, each read from memory as in a real step: what oneDNN reaches on the model "
-        "itself (octavo's small decode steps run packed_gemv, which can beat it).",
+        "the model in full with oneDNN can finish faster; attention and the rest come on top. "
+        "Its passes reuse one layer's weights, which stay in the caches. Matmuls, own weights: "
+        "the same FLOPs over as many sets of weights as the model has layers, each read from "
+        "memory as in a real step: what oneDNN reaches on the model itself (octavo's small "
+        "decode steps run packed_gemv, which can beat it).",
         "",
         f"Block-size sweep (octavo paged, {sweep[0]['dtype']}, the first 16 requests of "
         f"{wls[0].name} with outputs capped at {opts.pick(4, 32)}): "
