@@ -6,6 +6,7 @@ and the regexes and choices both files constrain to.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -28,6 +29,13 @@ def _build(**options: Any) -> LLM:
     llm = LLM(dtype="float32", **options)
     _ENGINES.append(llm)
     return llm
+
+
+@functools.cache
+def roomy_llm() -> LLM:
+    """The roomy engine (block size 16, prefix caching on) most tests share, built once for
+    both structured-outputs test files (every engine lives on in _ENGINES anyway)."""
+    return _build(num_kv_blocks=ROOMY_BLOCKS, block_size=16, enable_prefix_caching=True)
 
 
 def chat(tok, message: str, system: str | None = None) -> str:

@@ -24,20 +24,18 @@ from tests.engine.structured_outputs_helpers import (
     CHOICES,
     NAMES,
     REGEXES,
-    ROOMY_BLOCKS,
-    _build,
     assert_idle,
     chat,
     check_valid,
     json_params,
     json_problems,
+    roomy_llm,
 )
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    """The roomy engine (block size 16, prefix caching on) most tests share."""
-    return _build(num_kv_blocks=ROOMY_BLOCKS, block_size=16, enable_prefix_caching=True)
+    return roomy_llm()
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,13 @@ from tests.engine.structured_outputs_helpers import (
     chat,
     check_valid,
     json_params,
+    roomy_llm,
 )
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    """The roomy engine (block size 16, prefix caching on) most tests share."""
-    return _build(num_kv_blocks=ROOMY_BLOCKS, block_size=16, enable_prefix_caching=True)
+    return roomy_llm()
 
 
 @pytest.fixture(scope="module")
