@@ -78,17 +78,27 @@ def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, rows: int, repeats: int = 5,
     return flops / median(times)
 
 
-def floor_seconds(cfg: ModelConfig, wl: Workload, dtype: torch.dtype) -> dict[str, float]:
-    """The floor (`floor_s`, weights hot) and the same matmuls on each layer's own weights
-    (`own_weights_s`), with the rates behind them in GFLOP/s."""
-    f = workload_flops(cfg, wl)
-    out: dict[str, float] = dict(f)
+def gemm_rates(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, float]:
+    """GFLOP/s at the decode and prefill sizes, weights hot (the floor's) and each layer's own
+    (`_own_weights`). They do not depend on the workload: measure once, price every workload."""
+    rates: dict[str, float] = {}
     for suffix, copies in (("", 1), ("_own_weights", cfg.num_layers)):
-        decode_rate = gemm_rate(cfg, dtype, DECODE_ROWS, copies=copies)
-        prefill_rate = gemm_rate(cfg, dtype, PREFILL_ROWS, copies=copies)
-        out[f"decode_gflops{suffix}"] = decode_rate / 1e9
-        out[f"prefill_gflops{suffix}"] = prefill_rate / 1e9
-        out["floor_s" if copies == 1 else "own_weights_s"] = (
-            f["prefill_flops"] / prefill_rate
-            + (f["decode_flops"] + f["lm_head_flops"]) / decode_rate)
+        rates[f"decode_gflops{suffix}"] = gemm_rate(cfg, dtype, DECODE_ROWS, copies=copies) / 1e9
+        rates[f"prefill_gflops{suffix}"] = gemm_rate(cfg, dtype, PREFILL_ROWS,
+                                                     copies=copies) / 1e9
+    return rates
+
+
+def floor_seconds(cfg: ModelConfig, wl: Workload, dtype: torch.dtype,
+                  rates: dict[str, float] | None = None) -> dict[str, float]:
+    """The floor (`floor_s`, weights hot) and the same matmuls on each layer's own weights
+    (`own_weights_s`), with the rates behind them in GFLOP/s (`rates`: from gemm_rates, None
+    to measure them now)."""
+    f = workload_flops(cfg, wl)
+    rates = gemm_rates(cfg, dtype) if rates is None else rates
+    out: dict[str, float] = {**f, **rates}
+    for suffix, key in (("", "floor_s"), ("_own_weights", "own_weights_s")):
+        out[key] = (f["prefill_flops"] / (rates[f"prefill_gflops{suffix}"] * 1e9)
+                    + (f["decode_flops"] + f["lm_head_flops"])
+                    / (rates[f"decode_gflops{suffix}"] * 1e9))
     return out

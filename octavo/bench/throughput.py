@@ -141,15 +141,16 @@ def floor_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload],
                label: str) -> list[dict]:
     """What no engine can beat here: the workload's matmuls alone at oneDNN's measured rate
     (octavo/bench/roofline.py), on the same number of threads."""
-    from octavo.bench.roofline import floor_seconds
+    from octavo.bench.roofline import floor_seconds, gemm_rates
     from octavo.config import ModelConfig
     from octavo.model.loader import resolve_model_dir
     from octavo.model.runner import DTYPES
 
     cfg = ModelConfig.from_dir(resolve_model_dir(opts.model))
+    rates = gemm_rates(cfg, DTYPES[dtype])
     rows = []
     for wl in wls:
-        f = floor_seconds(cfg, wl, DTYPES[dtype])
+        f = floor_seconds(cfg, wl, DTYPES[dtype], rates)
         rows.append({"dtype": label, "workload": wl.name, "engine": FLOOR, "times_s": [],
                      "median_s": f["floor_s"], "output_tok_s": wl.output_tokens / f["floor_s"],
                      "req_s": len(wl) / f["floor_s"], "gemm": f})
