@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# HF model_type -> the architecture octavo runs it with (octavo/model/registry.py maps these
+# HF model_type -> the architecture octavo runs it with (octavo/model/models/registry.py maps these
 # to classes); a neutral module cannot import the model package, so the names live here
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "mixtral",
                          "gemma2", "gemma3_text")

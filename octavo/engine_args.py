@@ -165,7 +165,7 @@ class EngineArgs:
         "OCTAVO_CPU_ISA overrides), avx512, avx2 or portable",
         choices=("auto", "avx512", "avx2", "portable"))
     logits_processors: tuple = _opt(
-        (), "custom logits processors (octavo.model.logits_processor.LogitsProcessor "
+        (), "custom logits processors (octavo.model.sample.logits_processor.LogitsProcessor "
         "subclasses, or their names as pkg.module:Class; comma-separated on the command line)")
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoTokenizer
 
 from octavo.bench.json_schemas import SCHEMAS
-from octavo.model.loader import resolve_model_dir
+from octavo.model.sources import resolve_model_dir
 
 STEPS = 60
 

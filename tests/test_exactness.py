@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
-from octavo.model.cpu_isa import supported_isas
-from octavo.model.runner import ModelRunner
+from octavo.model.kernels.cpu_isa import supported_isas
+from octavo.model.worker.runner import ModelRunner
 from octavo.step_plan import StepPlan
 from tests.engine.conftest import hf_greedy
 from tests.model.plans import chunk, new_seq

@@ -6,6 +6,12 @@ in a cycle.
     paging <- engine <- llm <- {chat, server <- bench} <- cli;   model <- engine
     {server, paging, model} <- router <- {bench, cli}   (the data-parallel router)
     paging and model know nothing of each other, of requests or of the layers above them.
+
+Inside model/, the sub-packages are layers of their own (MODEL_ALLOWED):
+
+    kernels <- layers <- quant <- models <- {parallel, loading} <- worker
+    kernels <- sample <- spec <- worker;   layers <- spec
+    (loading: model/loader.py, sources.py, dtype_policy.py)
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "octavo"
 
 NEUTRAL = {"octavo.sampling_params", "octavo.outputs", "octavo.step_plan", "octavo.config",
-           "octavo.engine_args", "octavo.gc_heap"}
+           "octavo.engine_args", "octavo.gc_heap", "octavo.envs"}
 # layer -> the layers it may import (its own included)
 ALLOWED = {
     "neutral": {"neutral"},
@@ -34,6 +40,44 @@ ALLOWED = {
     "cli": {"cli", "chat", "server", "router", "bench", "llm", "neutral", "api"},
     "api": {"api", "llm", "neutral"},  # octavo/__init__.py: the public names, lazily
 }
+
+
+# inside octavo/model: sub-package -> the sub-packages it may import (its own included)
+MODEL_ALLOWED = {
+    "kernels": {"kernels"},
+    "layers": {"layers", "kernels"},
+    "quant": {"quant", "layers", "kernels"},
+    "models": {"models", "quant", "layers", "kernels"},
+    "parallel": {"parallel", "models", "quant", "layers", "kernels"},
+    "loading": {"loading", "parallel", "models", "quant", "layers", "kernels"},
+    "sample": {"sample", "kernels"},
+    "spec": {"spec", "sample", "layers", "kernels"},
+    "worker": {"worker", "loading", "spec", "sample", "parallel", "models", "quant", "layers",
+               "kernels"},
+}
+
+
+def model_layer_of(module: str) -> str | None:
+    """The sub-package of octavo/model a module belongs to (None outside model/)."""
+    parts = module.split(".")
+    if parts[:2] != ["octavo", "model"]:
+        return None
+    if len(parts) > 2 and parts[2] in MODEL_ALLOWED:
+        return parts[2]
+    return "loading"
+
+
+def model_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(graph.items()):
+        src = model_layer_of(module)
+        if src is None:
+            continue
+        for target in sorted(targets):
+            dst = model_layer_of(target)
+            if dst is not None and dst not in MODEL_ALLOWED[src]:
+                bad.append(f"{module} ({src}) imports {target} ({dst})")
+    return bad
 
 
 def layer_of(module: str) -> str:
@@ -156,6 +200,18 @@ def test_every_import_follows_the_layer_rules(graph):
     assert violations(graph) == []
 
 
+def test_model_sub_packages_import_only_downwards(graph):
+    assert model_violations(graph) == []
+
+
+def test_the_rules_catch_a_model_family_importing_the_worker(graph):
+    """The sub-package check can fail: models/ importing worker/ (upwards) is reported."""
+    bad = {**graph, "octavo.model.models.llama": graph["octavo.model.models.llama"]
+           | {"octavo.model.worker.runner"}}
+    assert model_violations(bad) == [
+        "octavo.model.models.llama (models) imports octavo.model.worker.runner (worker)"]
+
+
 def test_no_import_cycles(graph):
     assert cycles(graph) == []
 
@@ -163,11 +219,11 @@ def test_no_import_cycles(graph):
 def test_the_rules_catch_a_model_module_importing_the_engine(graph):
     """The check itself can fail: an edge model -> engine is reported, and so is the cycle it
     closes with engine -> model."""
-    bad = {**graph, "octavo.model.runner": graph["octavo.model.runner"]
+    bad = {**graph, "octavo.model.worker.runner": graph["octavo.model.worker.runner"]
            | {"octavo.engine.engine"}}
     assert violations(bad) == [
-        "octavo.model.runner (model) imports octavo.engine.engine (engine)"]
-    assert any("octavo.model.runner" in c and "octavo.engine.engine" in c
+        "octavo.model.worker.runner (model) imports octavo.engine.engine (engine)"]
+    assert any("octavo.model.worker.runner" in c and "octavo.engine.engine" in c
                for c in cycles(bad))
 
 
@@ -178,7 +234,7 @@ def test_the_engine_package_imports_no_torch():
 
 
 def test_the_sampler_never_sees_sampling_params_or_requests(graph):
-    for module in ("octavo.model.sampler",):
+    for module in ("octavo.model.sample.sampler",):
         assert "octavo.sampling_params" not in graph[module]
         assert not any(t.startswith("octavo.engine") for t in graph[module])
 
@@ -186,7 +242,7 @@ def test_the_sampler_never_sees_sampling_params_or_requests(graph):
 def test_paging_and_neutral_modules_need_no_third_party_package():
     stdlib_only = [m for m in MODULES if layer_of(m) in ("paging", "neutral")]
     allowed = {"__future__", "argparse", "array", "atexit", "bisect", "collections",
-               "concurrent", "copy", "dataclasses", "difflib", "enum", "gc", "hashlib",
+               "concurrent", "copy", "dataclasses", "difflib", "enum", "gc", "hashlib", "os",
                "itertools", "json", "math", "operator", "pathlib", "re", "typing", "octavo"}
     heavy = {m: sorted(external_imports_of(m) - allowed) for m in stdlib_only}
     assert {m: v for m, v in heavy.items() if v} == {}

@@ -25,8 +25,8 @@ matplotlib.use("Agg")  # headless: benchmarks run in CI and over ssh
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from octavo.model.cpu_isa import cpu_flags as all_cpu_flags  # noqa: E402
-from octavo.model.cpu_isa import supported_isas  # noqa: E402
+from octavo.model.kernels.cpu_isa import cpu_flags as all_cpu_flags  # noqa: E402
+from octavo.model.kernels.cpu_isa import supported_isas  # noqa: E402
 
 PlotFn = Callable[[Any, Figure], None]
 

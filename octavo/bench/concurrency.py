@@ -33,7 +33,7 @@ GOAL = 4.0
 
 def kv_bytes_per_token(model: str | None, dtype: str) -> int:
     from octavo.config import ModelConfig
-    from octavo.model.loader import resolve_model_dir
+    from octavo.model.sources import resolve_model_dir
 
     cfg = ModelConfig.from_dir(resolve_model_dir(model))
     return cfg.kv_bytes_per_token(2 if dtype in ("bfloat16", "float16") else 4)

@@ -47,12 +47,12 @@ from octavo.bench.decode_linears import decode_linear_rows
 from octavo.bench.engine_run import effective_dtype, make_llm, run_workload
 from octavo.bench.options import BenchOptions
 from octavo.config import ModelConfig
-from octavo.model.attention import get_backend
-from octavo.model.attention.base import AttentionMetadata, PrefillChunk
-from octavo.model.attention.cpu_backend import CpuPagedAttentionBackend
-from octavo.model.cpu_isa import native_bf16, supported_isas
-from octavo.model.linear import GEMV_ENV_VAR
-from octavo.model.loader import resolve_model_dir
+from octavo.model.kernels.cpu_isa import native_bf16, supported_isas
+from octavo.model.layers.attention import get_backend
+from octavo.model.layers.attention.base import AttentionMetadata, PrefillChunk
+from octavo.model.layers.attention.cpu_backend import CpuPagedAttentionBackend
+from octavo.model.layers.linear import GEMV_ENV_VAR
+from octavo.model.sources import resolve_model_dir
 
 DECODE_BATCH, DECODE_CTX, BLOCK = 32, 512, 16
 

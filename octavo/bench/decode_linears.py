@@ -16,8 +16,8 @@ from torch import nn
 
 from octavo.bench.common import median
 from octavo.config import ModelConfig
-from octavo.model.cpu_ops import load_cpu_ops
-from octavo.model.linear import PackedLinear, onednn_usable
+from octavo.model.kernels.cpu_ops import load_cpu_ops
+from octavo.model.layers.linear import PackedLinear, onednn_usable
 
 ROWS = (1, 4, 8, 16, 24, 32, 64)
 

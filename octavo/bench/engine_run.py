@@ -25,7 +25,7 @@ def effective_dtype(model: str | None, dtype: str,
 
     from octavo.config import ModelConfig
     from octavo.model.dtype_policy import resolve_isa_and_dtype
-    from octavo.model.loader import resolve_model_dir
+    from octavo.model.sources import resolve_model_dir
 
     overrides = overrides or {}
     device = torch.device(overrides.get("device") or "cpu")

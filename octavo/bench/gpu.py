@@ -55,10 +55,10 @@ def decode_point(batch: int, context: int, heads: int, kv_heads: int, dim: int,
                  dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> dict[str, Any]:
     """One decode-attention comparison (on CPU, in Triton's interpreter: the tests' check of
     this code, not a timing)."""
-    from octavo.model.triton_kernels import triton_missing
+    from octavo.model.kernels.triton import triton_missing
 
     assert triton_missing() is None, triton_missing()
-    from octavo.model.triton_kernels.decode import num_splits, paged_decode
+    from octavo.model.kernels.triton.decode import num_splits, paged_decode
 
     dev = torch.device(device)
     timer = cuda_ms if dev.type == "cuda" else wall_ms

@@ -22,7 +22,7 @@ class HFGenerate:
     def __init__(self, model: str | None, dtype: str, batch_size: int = 64) -> None:
         from transformers import AutoModelForCausalLM
 
-        from octavo.model.loader import resolve_model_dir
+        from octavo.model.sources import resolve_model_dir
 
         self.model = AutoModelForCausalLM.from_pretrained(
             str(resolve_model_dir(model)), dtype=DTYPES[dtype]

@@ -165,7 +165,7 @@ def summary(times_s: list[float]) -> dict[str, float]:
 
 def snapshot_cost(opts: BenchOptions, tmp: Path) -> dict[str, Any]:
     from octavo.config import ModelConfig
-    from octavo.model.loader import resolve_model_dir
+    from octavo.model.sources import resolve_model_dir
 
     num_blocks = opts.pick(2048, 10_000)
     if opts.model is None:

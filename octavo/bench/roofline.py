@@ -55,7 +55,7 @@ def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, rows: int, repeats: int = 5,
     oneDNN-packed, at `rows` tokens; median of `repeats`. `copies` distinct sets of the layer's
     weights run one after another (the model's layer count: each read from memory as in a real
     step; 1: the same weights each time, hot in the caches)."""
-    from octavo.model.linear import PackedLinear, onednn_usable
+    from octavo.model.layers.linear import PackedLinear, onednn_usable
 
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")

@@ -54,7 +54,7 @@ def octavo_engines(opts: BenchOptions) -> dict[str, str]:
     """The contiguous baseline holds one block table per sequence: not for a model whose local
     and global layers keep separate ones (Gemma 2/3)."""
     from octavo.config import ModelConfig
-    from octavo.model.loader import resolve_model_dir
+    from octavo.model.sources import resolve_model_dir
 
     groups = ModelConfig.from_dir(resolve_model_dir(opts.model)).kv_groups.num_groups
     if groups > 1:
@@ -118,7 +118,7 @@ def interleaved(engines: dict[str, Any], wls: list[workloads.Workload], repeats:
 def peer_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload],
               repeats: int, label: str) -> list[dict]:
     from octavo.bench.peers.run import run_vllm_offline
-    from octavo.model.loader import resolve_model_dir
+    from octavo.model.sources import resolve_model_dir
 
     gib = KV_TOKENS * kv_bytes_per_token(opts.model, dtype) / (1 << 30)
     res = run_vllm_offline(opts.peer_python or "python", model_dir=str(resolve_model_dir(
@@ -143,8 +143,8 @@ def floor_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload],
     (octavo/bench/roofline.py), on the same number of threads."""
     from octavo.bench.roofline import floor_seconds, gemm_rates
     from octavo.config import ModelConfig
-    from octavo.model.loader import resolve_model_dir
-    from octavo.model.runner import DTYPES
+    from octavo.model.sources import resolve_model_dir
+    from octavo.model.worker.runner import DTYPES
 
     cfg = ModelConfig.from_dir(resolve_model_dir(opts.model))
     rates = gemm_rates(cfg, DTYPES[dtype])

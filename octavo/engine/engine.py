@@ -29,7 +29,7 @@ from octavo.engine.scheduler import Scheduler
 from octavo.engine.structured_output import StructuredOutputs
 from octavo.engine_args import EngineArgs
 from octavo.gc_heap import freeze_gc_heap
-from octavo.model.loader import resolve_model_dir
+from octavo.model.sources import resolve_model_dir
 from octavo.outputs import RequestOutput
 from octavo.paging.block_hash import BlockHasher
 from octavo.sampling_params import BeamSearchParams, SamplingParams

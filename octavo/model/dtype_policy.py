@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from octavo.config import ModelConfig
-from octavo.model.cpu_isa import native_bf16, select_isa
+from octavo.model.kernels.cpu_isa import native_bf16, select_isa
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import octavo.engine_args as engine_args
-from octavo.model.loader import resolve_model_dir
+from octavo.model.sources import resolve_model_dir
 from octavo.router.args import RouterConfig
 from octavo.router.launcher import RouterServer, make_hasher, router_server
 from octavo.server.args import add_server_args

@@ -17,7 +17,7 @@ from types import FrameType
 
 import uvicorn
 
-from octavo.model.loader import resolve_model_dir
+from octavo.model.sources import resolve_model_dir
 from octavo.router.app import build_app
 from octavo.router.args import RouterConfig
 from octavo.router.prompts import PromptHasher, load_tokenizer

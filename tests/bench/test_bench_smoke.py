@@ -151,8 +151,8 @@ def test_gemm_floor_counts_every_weight_once_per_token() -> None:
 def test_cpu_paths_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
     import torch
 
-    from octavo.model.cpu_isa import cpu_flags, native_bf16, supported_isas
-    from octavo.model.cpu_ops import load_cpu_ops
+    from octavo.model.kernels.cpu_isa import cpu_flags, native_bf16, supported_isas
+    from octavo.model.kernels.cpu_ops import load_cpu_ops
 
     argv = ["cpu", "--quick", "--threads", "1", "--num-requests", "4", "--model",
             str(tiny_llama_dir), "--out", str(tmp_path)]

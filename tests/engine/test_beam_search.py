@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from octavo import LLM, BeamSearchParams
 from octavo.engine.beam_search import BeamSearchState
-from octavo.model.sampler import compute_logprobs
+from octavo.model.sample.sampler import compute_logprobs
 from octavo.outputs import Logprob
 
 TEXTS = ["The capital of France is", "def add(a, b):", "My favourite food is",

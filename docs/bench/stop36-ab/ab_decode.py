@@ -2,8 +2,8 @@
 import os, shutil, sys, time, statistics, subprocess
 import torch
 from torch.utils.cpp_extension import load
-from octavo.model.cpu_isa import ISA_CFLAGS
-from octavo.model.cpu_ops import SOURCES, _CSRC
+from octavo.model.kernels.cpu_isa import ISA_CFLAGS
+from octavo.model.kernels.cpu_ops import SOURCES, _CSRC
 
 def build(tag, patch):
     src = f"/tmp/s36/ab/src_{tag}"

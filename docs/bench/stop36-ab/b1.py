@@ -1,5 +1,5 @@
 import sys, time, statistics, torch
-from octavo.model.cpu_ops import load_cpu_ops
+from octavo.model.kernels.cpu_ops import load_cpu_ops
 m = load_cpu_ops()
 torch.set_num_threads(int(sys.argv[1]))
 BLOCK, kvh, heads, hd, layers = 16, 3, 9, 64, 30

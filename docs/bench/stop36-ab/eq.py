@@ -1,5 +1,5 @@
 import sys, torch
-from octavo.model.cpu_ops import load_cpu_ops
+from octavo.model.kernels.cpu_ops import load_cpu_ops
 res = {}
 for isa in ("avx512", "avx2", "portable"):
     m = load_cpu_ops(isa)

@@ -4,7 +4,7 @@
 Run against a build whose bindings release the GIL (py::call_guard<py::gil_scoped_release>)
 and one whose bindings do not."""
 import threading, time, torch
-from octavo.model.cpu_ops import load_cpu_ops
+from octavo.model.kernels.cpu_ops import load_cpu_ops
 m = load_cpu_ops()
 torch.set_num_threads(1)
 BLOCK, kvh, heads, hd = 16, 3, 9, 64

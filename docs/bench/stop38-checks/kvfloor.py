@@ -8,7 +8,7 @@ from pathlib import Path
 from octavo.bench.options import BenchOptions
 from octavo.bench.throughput import bench_workloads
 from octavo.config import ModelConfig
-from octavo.model.loader import resolve_model_dir
+from octavo.model.sources import resolve_model_dir
 
 cfg = ModelConfig.from_dir(resolve_model_dir(None))
 kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V

@@ -3,8 +3,8 @@ Usage: layers30.py THREADS"""
 import sys, time, torch
 from octavo.bench.roofline import layer_shapes
 from octavo.config import ModelConfig
-from octavo.model.linear import PackedLinear
-from octavo.model.loader import resolve_model_dir
+from octavo.model.layers.linear import PackedLinear
+from octavo.model.sources import resolve_model_dir
 torch.set_num_threads(int(sys.argv[1]))
 cfg = ModelConfig.from_dir(resolve_model_dir(None))
 def make(n):

@@ -1,5 +1,5 @@
 import time, statistics, torch, torch.nn.functional as F
-from octavo.model.cpu_ops import load_cpu_ops
+from octavo.model.kernels.cpu_ops import load_cpu_ops
 torch.set_num_threads(1)
 ops = load_cpu_ops()
 print("isa", ops.isa())

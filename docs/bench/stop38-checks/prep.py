@@ -1,5 +1,5 @@
 import time, statistics, sys, torch
-from octavo.model.input_batch import InputBatch
+from octavo.model.worker.input_batch import InputBatch
 from octavo.step_plan import StepPlan, NewSeq, SeqChunk
 from octavo.sampling_params import SamplingParams
 torch.set_num_threads(1)

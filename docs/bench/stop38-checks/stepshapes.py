@@ -7,7 +7,7 @@ import sys, time, torch
 from octavo.bench.options import BenchOptions
 from octavo.bench.roofline import floor_seconds, layer_shapes
 from octavo.bench.throughput import OctavoEngine, bench_workloads
-from octavo.model.linear import PackedLinear
+from octavo.model.layers.linear import PackedLinear
 
 threads, name = int(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(threads)

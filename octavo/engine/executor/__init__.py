@@ -7,7 +7,7 @@ from pathlib import Path
 from octavo.config import ModelConfig
 from octavo.engine.executor.base import Executor, UniExecutor, WorkerDiedError
 from octavo.engine_args import EngineArgs
-from octavo.model.tensor_parallel import check_tp_config
+from octavo.model.parallel.tensor_parallel import check_tp_config
 
 __all__ = ["Executor", "UniExecutor", "WorkerDiedError", "make_executor"]
 
@@ -16,7 +16,7 @@ def make_executor(args: EngineArgs, model_dir: Path, config: ModelConfig) -> Exe
     backend = args.executor_backend
     check_tp_config(config, args.tensor_parallel_size)
     if backend == "uni":
-        from octavo.model.runner import ModelRunner
+        from octavo.model.worker.runner import ModelRunner
 
         return UniExecutor(ModelRunner(args, model_dir, config))
     if backend == "mp":

@@ -17,8 +17,8 @@ import logging
 from abc import ABC, abstractmethod
 from typing import Any
 
-from octavo.model.cache_sizing import KVBlockCounts
-from octavo.model.runner import ModelRunner
+from octavo.model.worker.cache_sizing import KVBlockCounts
+from octavo.model.worker.runner import ModelRunner
 from octavo.step_plan import RunnerOutput, StepPlan
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from typing import Any
 from octavo.config import ModelConfig
 from octavo.engine.executor.base import RankedExecutor, WorkerDiedError, settle_errors
 from octavo.engine_args import EngineArgs
-from octavo.model.tp_worker import ERROR_GRACE_S, accepted_drafts, strip_bitmask
+from octavo.model.worker.tp_worker import ERROR_GRACE_S, accepted_drafts, strip_bitmask
 from octavo.step_plan import RunnerOutput, StepPlan
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from octavo.model.tp_worker import Worker
+from octavo.model.worker.tp_worker import Worker
 from octavo.step_plan import StepPlan
 
 logger = logging.getLogger("octavo.engine.executor.mp_worker")

@@ -23,7 +23,7 @@ from typing import Any
 from octavo.config import ModelConfig
 from octavo.engine.executor.base import RankedExecutor, WorkerDiedError, settle_errors
 from octavo.engine_args import EngineArgs
-from octavo.model.tp_worker import (
+from octavo.model.worker.tp_worker import (
     ERROR_GRACE_S,
     ResolvedBitmask,
     Worker,

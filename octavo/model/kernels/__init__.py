@@ -1,0 +1,1 @@
+"""ISA detection, octavo's compiled C++ ops (csrc/) and its Triton kernels (triton/)."""

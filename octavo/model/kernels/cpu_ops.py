@@ -1,0 +1,117 @@
+"""octavo's compiled CPU ops (csrc/), built once per machine on first use.
+
+- `paged_decode`: paged attention for single-token decodes, reading K/V in place.
+- `paged_prefill`: paged attention for every prefill chunk of a step in one call.
+- `rms_norm`, `add_rms_norm_`: RMSNorm, and the residual add fused with the next RMSNorm.
+- `rope_`: rotary embedding of q and k, in place in the fused qkv buffer.
+- `silu_and_mul`: SwiGLU's silu(gate) * up from the fused gate_up buffer.
+- `quantize_rows_int8`, `int8_epilogue`: the two ends of a W8A8 linear layer (quantization.py),
+  `int8_gemv`, its exact int32 products for decode-sized batches (`int8_mm` picks it or
+  oneDNN's GEMM), and `int8_linear`, the three in one call.
+- `block_linear`, `block_dequantize`: linear layers whose weights stay in 4-bit or 8-bit blocks
+  (GGUF Q4_0/Q4_1/Q8_0, int4; block_quant.py).
+- `DecodeStack`: every decoder layer of an all-decode step in one C++ loop (decode_stack.py).
+
+They are built with torch's C++ extension tooling into ``$OCTAVO_CACHE/torch_extensions/<isa>``
+(a minute the first time, instant later), once per instruction set (cpu_isa.py): the AVX-512
+build carries hand-written AVX-512 decode code, the AVX2 build AVX2+FMA code, and the portable
+build only what the compiler vectorises for the baseline ISA; the fused ops are vectorised by the
+compiler for each. Which build runs is chosen at run time from the CPU's flags, never from
+`-march=native`, so a build cached on one machine never runs on a CPU that lacks its
+instructions. Where they cannot be built (no compiler), octavo falls back to plain torch and says
+so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from octavo.envs import cache_dir
+from octavo.model.kernels.cpu_isa import ISA_CFLAGS, select_isa
+
+logger = logging.getLogger(__name__)
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
+           "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp", "int8_gemv.cpp",
+           "packed_gemv.cpp")
+CHOICES = ("auto", "torch", "cpu", "triton")
+
+
+def resolve_kernels(setting: str, choice: str | None, device: torch.device,
+                    env_var: str) -> str:
+    """Which kernels an engine setting (attention_backend, fused_ops) picks: "torch", "cpu"
+    (octavo's compiled CPU ops) or "triton" (model/triton_kernels). auto (`env_var`
+    overrides it): the compiled ops on CPU, Triton on CUDA where it is installed, else torch."""
+    choice = choice or "auto"
+    if choice == "auto":
+        choice = os.environ.get(env_var, "auto")
+    if choice not in CHOICES:
+        raise ValueError(f"{setting}={choice!r} is not one of {CHOICES}")
+    if choice == "auto" and device.type == "cpu":
+        return "cpu"
+    if choice == "cpu" and device.type != "cpu":
+        raise ValueError(f"{setting}='cpu' runs on CPU only")
+    if choice in ("cpu", "torch"):
+        return choice
+    from octavo.model.kernels.triton import triton_missing  # without a GPU: the interpreter
+
+    problem = triton_missing()
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and problem is None else "torch"
+    if problem is not None:
+        raise RuntimeError(f"{setting}='triton': {problem}")
+    return "triton"
+
+
+def select_cpu_ops(setting: str, choice: str | None, device: torch.device,
+                   env_var: str, isa: str | None = None) -> Any | None:
+    """The compiled ops for an engine setting that chooses between them and plain torch, or
+    None for torch (or Triton: see resolve_kernels). auto: the compiled ops on CPU when they
+    build; cpu: the compiled ops, or an error naming `setting`. `isa`: the cpu_isa setting
+    (auto: the CPU's best)."""
+    explicit = (choice or "auto") != "auto" or os.environ.get(env_var, "auto") != "auto"
+    if resolve_kernels(setting, choice, device, env_var) != "cpu":
+        return None
+    ops = load_cpu_ops(select_isa(isa))
+    if ops is None and explicit:
+        raise RuntimeError(f"{setting}='cpu': octavo's compiled CPU ops could not be built on "
+                           "this machine")
+    return ops
+
+
+@cache
+def load_cpu_ops(isa: str | None = None) -> Any | None:
+    """The compiled module for `isa` (default: the CPU's best), or None when it cannot be
+    built here. Its `isa()` names the path it was compiled for."""
+    isa = select_isa(isa)
+    try:
+        from torch.utils.cpp_extension import load
+
+        root = cache_dir() / "torch_extensions"
+        build = root / isa
+        build.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root))
+        ops = load(
+            name=f"octavo_cpu_ops_{isa}",
+            sources=[str(_CSRC / s) for s in SOURCES],
+            extra_include_paths=[str(_CSRC)],
+            extra_cflags=["-O3", "-fopenmp", *ISA_CFLAGS[isa]],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - any build failure means "use plain torch"
+        logger.warning("octavo's CPU ops (%s) are unavailable (%s); using plain torch", isa, e)
+        return None
+    if ops.isa() != isa:  # the build's own macros disagree with the flags it was given
+        logger.warning("octavo's CPU ops built for %s report %s; using plain torch", isa,
+                       ops.isa())
+        return None
+    logger.info("octavo's CPU ops: the %s path", isa)
+    return ops

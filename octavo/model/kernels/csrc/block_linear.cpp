@@ -1,0 +1,545 @@
+// Linear layers whose weights stay quantized in memory (octavo/model/quant/block_quant.py), computed
+// directly from their blocks: each block of 32 weights is widened to fp32 in registers
+// (w = q * scale + min for 4-bit, q * scale for 8-bit) and multiplied with fp32 activations, so
+// no dequantized copy of a weight exists. The formats are GGUF's:
+//   - kind 0, 4-bit: q uint8 [N, K/2], block b of row n in bytes 16b..16b+15, element j of the
+//     block in the low nibble of byte j and element j+16 in its high nibble (GGUF Q4_0/Q4_1);
+//     scale and min fp16 [N, K/group] (Q4_1: d and m; Q4_0: d and -8d; int4: a group's
+//     (max - min) / 15 and min);
+//   - kind 1, 8-bit: q int8 [N, K], scale fp16 [N, K/group] (GGUF Q8_0: group 32).
+// `group` (a multiple of 32) is how many weights share a scale. Small batches (decode) run the
+// register kernels below; block_dequantize widens rows for the large-batch path (prefill), which
+// multiplies a few rows at a time through the GEMM library.
+#include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "ops.h"
+#include "vec_traits.h"
+
+namespace {
+
+using octavo::Vec;
+constexpr int L = Vec::L;
+constexpr int NV = 32 / L;  // vectors per block of 32 weights
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  c10::Half v;
+  v.x = h;
+  return static_cast<float>(v);
+#endif
+}
+
+inline float hsum(Vec a) {
+  alignas(64) float t[L];
+  a.store(t);
+  float s = 0.f;
+  for (int i = 0; i < L; ++i) s += t[i];
+  return s;
+}
+
+// the 32 4-bit values of a block as NV vectors of fp32, in element order
+inline void nibbles(const uint8_t* qs, Vec* w) {
+#if defined(__AVX512F__)
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  w[0].v = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  w[1].v = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+#elif defined(__AVX2__)
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i b1 =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+  const __m256i m = _mm256_set1_epi32(15);
+  w[0].v = _mm256_cvtepi32_ps(_mm256_and_si256(b0, m));
+  w[1].v = _mm256_cvtepi32_ps(_mm256_and_si256(b1, m));
+  w[2].v = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  w[3].v = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+#else
+  alignas(32) float t[32];
+  for (int j = 0; j < 16; ++j) {
+    t[j] = static_cast<float>(qs[j] & 15);
+    t[j + 16] = static_cast<float>(qs[j] >> 4);
+  }
+  for (int j = 0; j < NV; ++j) w[j] = Vec::load(t + j * L);
+#endif
+}
+
+// the 32 signed bytes of a block as NV vectors of fp32
+inline void bytes(const int8_t* q, Vec* w) {
+#if defined(__AVX512F__)
+  for (int j = 0; j < 2; ++j)
+    w[j].v = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j))));
+#elif defined(__AVX2__)
+  for (int j = 0; j < 4; ++j)
+    w[j].v = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j))));
+#else
+  alignas(32) float t[32];
+  for (int j = 0; j < 32; ++j) t[j] = static_cast<float>(q[j]);
+  for (int j = 0; j < NV; ++j) w[j] = Vec::load(t + j * L);
+#endif
+}
+
+struct Weights {
+  int kind;  // 0: 4-bit with min, 1: 8-bit
+  int64_t K, group;
+  const uint8_t* q;
+  const uint16_t* scale;
+  const uint16_t* mins;
+  int group_shift;  // log2(group / 32)
+
+  int64_t groups() const { return K / group; }
+};
+
+// Every weight is read from memory once per step, and a thread walks its rows in order: while
+// it computes rows n.., the hardware is asked for rows n+8.. (measured on the embedded model,
+// a whole decode step's linear layers: 5.4 ms without, 3.7 with; 4 and 16 rows ahead did worse)
+constexpr int64_t kPrefetchRows = 8;
+
+template <int KIND>
+inline void prefetch_ahead(const Weights& W, int64_t n, int64_t b) {
+  const int64_t row = KIND == 0 ? W.K / 2 : W.K, block = KIND == 0 ? 16 : 32;
+  __builtin_prefetch(W.q + (n + kPrefetchRows) * row + b * block, 0, 3);
+}
+
+// one weight row, group by group: set_group() reads the group's scale (and min), block()
+// widens one of its blocks of 32
+template <int KIND>
+struct Row {
+  const uint8_t* q;
+  const uint16_t* scale;
+  const uint16_t* mins;
+  Vec s, mn;
+
+  Row() = default;
+  Row(const Weights& W, int64_t n)
+      : q(W.q + n * (KIND == 0 ? W.K / 2 : W.K)), scale(W.scale + n * W.groups()),
+        mins(KIND == 0 ? W.mins + n * W.groups() : nullptr) {}
+
+  inline void set_group(int64_t g) {
+    s = Vec::set1(half_to_float(scale[g]));
+    if (KIND == 0) mn = Vec::set1(half_to_float(mins[g]));
+  }
+  // block b (counted over the whole row)
+  inline void block(int64_t b, Vec* w) const {
+    if (KIND == 0) {
+      nibbles(q + b * 16, w);
+      for (int j = 0; j < NV; ++j) w[j] = fma(w[j], s, mn);
+    } else {
+      bytes(reinterpret_cast<const int8_t*>(q) + b * 32, w);
+      for (int j = 0; j < NV; ++j) w[j] = w[j] * s;
+    }
+  }
+};
+
+// Walks weight rows n0..n0+NR-1 block by block, widening each block (w: NV vectors) for
+// f(r, b, w).
+template <int KIND, int NR, typename F>
+inline void for_each_block(const Weights& W, int64_t n0, F&& f) {
+  Row<KIND> rows[NR];
+  for (int r = 0; r < NR; ++r) rows[r] = Row<KIND>(W, n0 + r);
+  const int64_t per_group = W.group / 32;
+  for (int64_t g = 0; g < W.groups(); ++g) {
+    for (int r = 0; r < NR; ++r) rows[r].set_group(g);
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      for (int r = 0; r < NR; ++r) {
+        Vec w[NV];
+        prefetch_ahead<KIND>(W, n0 + r, b);
+        rows[r].block(b, w);
+        f(r, b, w);
+      }
+    }
+  }
+}
+
+// One activation row against NR weight rows n0..n0+NR-1: every (row, vector) pair has its own
+// accumulator, so no FMA waits on the one before it.
+template <int KIND, int NR>
+void dot_m1(const Weights& W, int64_t n0, const float* x, float* out, const float* bias) {
+  Vec acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = Vec::zero();
+  for_each_block<KIND, NR>(W, n0, [&](int r, int64_t b, const Vec* w) {
+    for (int j = 0; j < NV; ++j) acc[r][j] = fma(w[j], Vec::load(x + b * 32 + j * L), acc[r][j]);
+  });
+  for (int r = 0; r < NR; ++r) {
+    Vec s = acc[r][0];
+    for (int j = 1; j < NV; ++j) s = s + acc[r][j];
+    out[r] = hsum(s) + (bias != nullptr ? bias[n0 + r] : 0.f);
+  }
+}
+
+// MT activation rows (stride K) against NR weight rows: each block is widened once for all MT.
+template <int KIND, int NR, int MT>
+void dot_mt(const Weights& W, int64_t n0, const float* x, float* out, int64_t ldo,
+            const float* bias) {
+  Vec acc[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = Vec::zero();
+  for_each_block<KIND, NR>(W, n0, [&](int r, int64_t b, const Vec* w) {
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NV; ++j)
+        acc[r][m] = fma(w[j], Vec::load(x + m * W.K + b * 32 + j * L), acc[r][m]);
+  });
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m)
+      out[m * ldo + r] = hsum(acc[r][m]) + (bias != nullptr ? bias[n0 + r] : 0.f);
+}
+
+#if defined(__AVX512F__)
+constexpr int kRowsM1 = 4, kRowsMT = 2, kMT = 8;
+#else
+constexpr int kRowsM1 = 2, kRowsMT = 1, kMT = 4;
+#endif
+
+// rows [m0, m0 + mt) of x against weight rows [n_begin, n_end)
+template <int KIND>
+void run_rows(const Weights& W, const float* x, int64_t mt, float* out, int64_t N,
+              int64_t n_begin, int64_t n_end, const float* bias) {
+  int64_t n = n_begin;
+  if (mt == 1) {
+    for (; n + kRowsM1 <= n_end; n += kRowsM1) dot_m1<KIND, kRowsM1>(W, n, x, out + n, bias);
+    for (; n < n_end; ++n) dot_m1<KIND, 1>(W, n, x, out + n, bias);
+    return;
+  }
+  for (; n + kRowsMT <= n_end; n += kRowsMT) {
+    int64_t m = 0;
+    for (; m + kMT <= mt; m += kMT)
+      dot_mt<KIND, kRowsMT, kMT>(W, n, x + m * W.K, out + m * N + n, N, bias);
+    for (; m + 2 <= mt; m += 2) dot_mt<KIND, kRowsMT, 2>(W, n, x + m * W.K, out + m * N + n, N, bias);
+    for (; m < mt; ++m) dot_m1<KIND, kRowsMT>(W, n, x + m * W.K, out + m * N + n, bias);
+  }
+  for (; n < n_end; ++n)
+    for (int64_t m = 0; m < mt; ++m) dot_m1<KIND, 1>(W, n, x + m * W.K, out + m * N + n, bias);
+}
+
+template <int KIND>
+void widen_row(const Weights& W, int64_t n, float* out) {
+  for_each_block<KIND, 1>(W, n, [&](int, int64_t b, const Vec* w) {
+    for (int j = 0; j < NV; ++j) w[j].store(out + b * 32 + j * L);
+  });
+}
+
+// ---- int8 activations (GGUF's arithmetic): each activation row is quantized per block of
+// 32 to int8 with its own scale dx (x ~ xq * dx), and a block's dot product runs on integers:
+// sum(q * xq) exactly in int32 (vpmaddubsw + vpmaddwd: 4-bit or |8-bit| weights times int8
+// activations cannot saturate their int16 pair sums), then * (scale * dx) in fp32. The 4-bit
+// min adds min * dx * sum(xq) per block. llama.cpp computes Q4_0/Q4_1/Q8_0 the same way.
+
+struct QuantX {
+  int64_t K, nb, nb_pad;  // blocks per row, and rounded up to 8 (dx, xs are zero-padded)
+  const int8_t* q;        // [M, K]
+  const float* dx;        // [M, nb_pad]
+  const float* xs;        // [M, nb_pad]: dx * sum of the block's xq
+};
+
+void quantize_x(const float* x, int64_t K, int8_t* q, float* dx, float* xs) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+      q[b * 32 + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    dx[b] = d;
+    xs[b] = d * static_cast<float>(sum);
+  }
+}
+
+// the fp16 scales (and mins) of blocks b0..b0+cnt-1 of a row as fp32, zero past cnt
+inline void widen8(const uint16_t* h, int64_t cnt, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = i < cnt ? half_to_float(h[i]) : 0.f;
+}
+
+#if defined(__AVX2__)
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+
+// NR weight rows x MT activation rows; the 4-bit/8-bit block is unpacked once for all MT
+template <int KIND, int NR, int MT>
+void idot(const Weights& W, int64_t n0, const QuantX& X, int64_t m0, float* out, int64_t ldo,
+          const float* bias) {
+  __m256 acc[NR][MT], macc[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = macc[r][m] = _mm256_setzero_ps();
+#if defined(__AVX512F__)
+  __m512 acc512[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) acc512[r][m] = _mm512_setzero_ps();
+#endif
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const int64_t G = W.groups(), per_group = W.group / 32;
+  for (int64_t b0 = 0; b0 < X.nb; b0 += 8) {
+    const int64_t cnt = std::min<int64_t>(8, X.nb - b0);
+    alignas(32) float dw[NR][8], mw[NR][8], cs[NR][MT][8];
+    for (int r = 0; r < NR; ++r) {
+      // scales per block (a group of 64 or 128 repeats its scale)
+      const uint16_t* sr = W.scale + (n0 + r) * G;
+      const uint16_t* mr = KIND == 0 ? W.mins + (n0 + r) * G : nullptr;
+      if (per_group == 1 && cnt == 8) {
+        _mm256_store_ps(dw[r], _mm256_cvtph_ps(
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + b0))));
+        if (KIND == 0)
+          _mm256_store_ps(mw[r], _mm256_cvtph_ps(_mm_loadu_si128(
+                                     reinterpret_cast<const __m128i*>(mr + b0))));
+      } else {
+        for (int i = 0; i < 8; ++i) {
+          const int64_t g = (b0 + i) >> W.group_shift;
+          dw[r][i] = i < cnt ? half_to_float(sr[g]) : 0.f;
+          if (KIND == 0) mw[r][i] = i < cnt ? half_to_float(mr[g]) : 0.f;
+        }
+      }
+      if (KIND == 0)
+        for (int m = 0; m < MT; ++m)
+          macc[r][m] = _mm256_fmadd_ps(_mm256_load_ps(mw[r]),
+                                       _mm256_loadu_ps(X.xs + (m0 + m) * X.nb_pad + b0),
+                                       macc[r][m]);
+      // the 8 blocks' combined scales, weight scale x activation scale
+      for (int m = 0; m < MT; ++m)
+        _mm256_store_ps(cs[r][m], _mm256_mul_ps(_mm256_load_ps(dw[r]),
+                                                _mm256_loadu_ps(X.dx + (m0 + m) * X.nb_pad + b0)));
+    }
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    // two blocks per 512-bit register; the leftover odd block takes the 256-bit code below
+    const __m512i ones512 = _mm512_set1_epi16(1);
+    // lanes 0-7 take block i's combined scale, lanes 8-15 block i+1's
+    const __m512i pair_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (; i + 2 <= cnt; i += 2) {
+      const int64_t b = b0 + i;
+      const __m512i idx = _mm512_add_epi32(pair_idx, _mm512_set1_epi32(static_cast<int>(i)));
+      for (int r = 0; r < NR; ++r) {
+        prefetch_ahead<KIND>(W, n0 + r, b);
+        __m512i w, aw;
+        __mmask64 neg = 0;
+        if (KIND == 0) {
+          // blocks b and b+1: 32 bytes of nibbles -> [lo_b, hi_b, lo_b1, hi_b1] (xq's order)
+          const __m256i raw = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(W.q + (n0 + r) * (W.K / 2) + b * 16));
+          const __m256i lo = _mm256_and_si256(raw, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+          const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+          aw = w = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+        } else {
+          w = _mm512_loadu_si512(W.q + (n0 + r) * W.K + b * 32);
+          aw = _mm512_abs_epi8(w);
+          neg = _mm512_movepi8_mask(w);
+        }
+        for (int m = 0; m < MT; ++m) {
+          __m512i xq = _mm512_loadu_si512(X.q + (m0 + m) * X.K + b * 32);
+          if (KIND == 1) xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+          const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(aw, xq), ones512);
+          const __m512 sc = _mm512_permutexvar_ps(
+              idx, _mm512_castps256_ps512(_mm256_load_ps(cs[r][m])));
+          acc512[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc512[r][m]);
+        }
+      }
+    }
+#endif
+    for (; i < cnt; ++i) {
+      const int64_t b = b0 + i;
+      for (int r = 0; r < NR; ++r) {
+        __m256i w;
+        prefetch_ahead<KIND>(W, n0 + r, b);
+        if (KIND == 0) {
+          const __m128i raw = _mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(W.q + (n0 + r) * (W.K / 2) + b * 16));
+          w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+        } else {
+          w = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(W.q + (n0 + r) * W.K + b * 32));
+        }
+        const __m256i aw = KIND == 0 ? w : _mm256_abs_epi8(w);
+        for (int m = 0; m < MT; ++m) {
+          __m256i xq = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(X.q + (m0 + m) * X.K + b * 32));
+          if (KIND == 1) xq = _mm256_sign_epi8(xq, w);
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones);
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&cs[r][m][i]),
+                                      acc[r][m]);
+        }
+      }
+    }
+  }
+#if defined(__AVX512F__)
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m)
+      acc[r][m] = _mm256_add_ps(acc[r][m],
+                                _mm256_add_ps(_mm512_castps512_ps256(acc512[r][m]),
+                                              _mm512_extractf32x8_ps(acc512[r][m], 1)));
+#endif
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m)
+      out[m * ldo + r] = hsum8(_mm256_add_ps(acc[r][m], macc[r][m])) +
+                         (bias != nullptr ? bias[n0 + r] : 0.f);
+}
+constexpr int kIRows = 4, kIMT = 4;
+#else
+// portable: the same integer arithmetic in plain loops
+template <int KIND, int NR, int MT>
+void idot(const Weights& W, int64_t n0, const QuantX& X, int64_t m0, float* out, int64_t ldo,
+          const float* bias) {
+  const int64_t G = W.groups(), per_group = W.group / 32;
+  for (int r = 0; r < NR; ++r) {
+    const int64_t n = n0 + r;
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xq = X.q + (m0 + m) * X.K;
+      float acc = 0.f;
+      for (int64_t b = 0; b < X.nb; ++b) {
+        const int64_t g = n * G + (b >> W.group_shift);
+        int32_t isum = 0;
+        if (KIND == 0) {
+          const uint8_t* qs = W.q + n * (W.K / 2) + b * 16;
+          for (int j = 0; j < 16; ++j)
+            isum += (qs[j] & 15) * xq[b * 32 + j] + (qs[j] >> 4) * xq[b * 32 + j + 16];
+        } else {
+          const int8_t* qs = reinterpret_cast<const int8_t*>(W.q) + n * W.K + b * 32;
+          for (int j = 0; j < 32; ++j) isum += qs[j] * xq[b * 32 + j];
+        }
+        const float dx = X.dx[(m0 + m) * X.nb_pad + b];
+        acc += static_cast<float>(isum) * (half_to_float(W.scale[g]) * dx);
+        if (KIND == 0) acc += half_to_float(W.mins[g]) * X.xs[(m0 + m) * X.nb_pad + b];
+      }
+      out[m * ldo + r] = acc + (bias != nullptr ? bias[n] : 0.f);
+    }
+  }
+}
+constexpr int kIRows = 1, kIMT = 4;
+#endif
+
+template <int KIND>
+void irun_rows(const Weights& W, const QuantX& X, int64_t M, float* out, int64_t N,
+               int64_t n_begin, int64_t n_end, const float* bias) {
+  int64_t n = n_begin;
+  for (; n + kIRows <= n_end; n += kIRows) {
+    int64_t m = 0;
+    for (; m + kIMT <= M; m += kIMT)
+      idot<KIND, kIRows, kIMT>(W, n, X, m, out + m * N + n, N, bias);
+    for (; m < M; ++m) idot<KIND, kIRows, 1>(W, n, X, m, out + m * N + n, N, bias);
+  }
+  for (; n < n_end; ++n)
+    for (int64_t m = 0; m < M; ++m) idot<KIND, 1, 1>(W, n, X, m, out + m * N + n, N, bias);
+}
+
+// f(kind) with the weights' kind as a compile-time constant (std::integral_constant)
+template <typename F>
+void with_kind(const Weights& W, F&& f) {
+  if (W.kind == 0)
+    f(std::integral_constant<int, 0>{});
+  else
+    f(std::integral_constant<int, 1>{});
+}
+
+// the N weight rows split between threads in runs of whole kernel tiles (8 rows):
+// f(kind, n_begin, n_end)
+template <typename F>
+void split_rows(const Weights& W, int64_t N, F&& f) {
+  at::parallel_for(0, (N + 7) / 8, 4, [&](int64_t begin, int64_t end) {
+    with_kind(W, [&](auto kind) { f(kind, begin * 8, std::min(end * 8, N)); });
+  });
+}
+
+Weights check_weights(int64_t kind, const at::Tensor& q, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& mins, int64_t group) {
+  TORCH_CHECK(kind == 0 || kind == 1, "kind must be 0 (4-bit) or 1 (8-bit)");
+  TORCH_CHECK(group >= 32 && (group & (group - 1)) == 0, "group must be 32, 64, 128, ...");
+  int shift = 0;
+  while ((32 << shift) < group) ++shift;
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q must be a contiguous [N, bytes] tensor");
+  const int64_t N = q.size(0);
+  const int64_t K = kind == 0 ? 2 * q.size(1) : q.size(1);
+  TORCH_CHECK(q.scalar_type() == (kind == 0 ? at::kByte : at::kChar),
+              kind == 0 ? "4-bit q must be uint8" : "8-bit q must be int8");
+  TORCH_CHECK(K % group == 0, "K (", K, ") must be a multiple of group (", group, ")");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
+                  scale.numel() == N * (K / group), "scale must be float16 [N, K/group]");
+  const uint16_t* mp = nullptr;
+  if (kind == 0) {
+    TORCH_CHECK(mins.has_value() && mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
+                    mins->numel() == N * (K / group), "4-bit weights need float16 mins [N, K/group]");
+    mp = reinterpret_cast<const uint16_t*>(mins->data_ptr());
+  }
+  return Weights{static_cast<int>(kind), K, group, reinterpret_cast<const uint8_t*>(q.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(scale.data_ptr()), mp, shift};
+}
+
+}  // namespace
+
+at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor scale,
+                        c10::optional<at::Tensor> mins, int64_t group,
+                        c10::optional<at::Tensor> bias, bool int8_activations) {
+  const Weights W = check_weights(kind, q, scale, mins, group);
+  const int64_t N = q.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == W.K, "x must be [M, ", W.K, "]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must be [N]");
+  }
+  const int64_t M = xf.size(0);
+  auto out = at::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (int8_activations) {
+    const int64_t nb = W.K / 32, nb_pad = (nb + 7) / 8 * 8;
+    auto xq = at::empty({M, W.K}, xf.options().dtype(at::kChar));
+    auto xd = at::zeros({2, M, nb_pad}, xf.options());
+    QuantX X{W.K, nb, nb_pad, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+             xd.data_ptr<float>() + M * nb_pad};
+    for (int64_t m = 0; m < M; ++m)
+      quantize_x(xp + m * W.K, W.K, xq.data_ptr<int8_t>() + m * W.K,
+                 xd.data_ptr<float>() + m * nb_pad, xd.data_ptr<float>() + (M + m) * nb_pad);
+    split_rows(W, N, [&](auto kind, int64_t n_begin, int64_t n_end) {
+      irun_rows<decltype(kind)::value>(W, X, M, op, N, n_begin, n_end, bp);
+    });
+  } else {
+    split_rows(W, N, [&](auto kind, int64_t n_begin, int64_t n_end) {
+      run_rows<decltype(kind)::value>(W, xp, M, op, N, n_begin, n_end, bp);
+    });
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor block_dequantize(int64_t kind, at::Tensor q, at::Tensor scale,
+                            c10::optional<at::Tensor> mins, int64_t group, int64_t row_begin,
+                            int64_t row_end, c10::optional<at::Tensor> out) {
+  const Weights W = check_weights(kind, q, scale, mins, group);
+  TORCH_CHECK(0 <= row_begin && row_begin <= row_end && row_end <= q.size(0),
+              "rows out of range");
+  const int64_t rows = row_end - row_begin;
+  at::Tensor o;
+  if (out.has_value()) {
+    TORCH_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() &&
+                    out->numel() >= rows * W.K, "out must be a contiguous float32 buffer");
+    o = out->view(-1).narrow(0, 0, rows * W.K).view({rows, W.K});
+  } else {
+    o = at::empty({rows, W.K}, q.options().dtype(at::kFloat));
+  }
+  float* op = o.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    with_kind(W, [&](auto kind) {
+      for (int64_t r = begin; r < end; ++r)
+        widen_row<decltype(kind)::value>(W, row_begin + r, op + r * W.K);
+    });
+  });
+  return o;
+}

@@ -1,0 +1,89 @@
+// octavo's compiled CPU ops (see octavo/model/kernels/cpu_ops.py).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+#include <vector>
+
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                           at::Tensor block_tables, at::Tensor context_lens, double scale,
+                           c10::optional<at::Tensor> first_pos, int64_t window,
+                           double softcap);
+
+// every prefill chunk of a step: q [T,H,D] (chunk c's rows are query_start[c]..query_start[c+1]),
+// its keys at positions 0..start_pos[c]+len-1 through block_tables[c], causal inside the chunk;
+// bf16_dot: bf16 takes AVX-512 bf16 dot products where the CPU has them (else widened to fp32)
+at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                         at::Tensor block_tables, at::Tensor query_start, at::Tensor start_pos,
+                         double scale, int64_t window, double softcap, bool bf16_dot);
+
+// whether paged_prefill's bf16 takes bf16 dot products on this CPU with this build
+bool prefill_bf16_dot();
+
+// the decode path this build carries: "avx512", "avx2" or "portable"
+std::string compiled_isa();
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight,
+                            double eps);
+
+void rope_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_heads,
+           int64_t num_kv_heads, int64_t head_dim);
+
+at::Tensor silu_and_mul(at::Tensor gate_up);
+
+// W8A8 linear layers: per-row symmetric int8 quantization -> (q int8 [rows, cols], scale
+// float32 [rows, 1]); and int32 sums -> dtype (sum * x_scale[row] * w_scale[col] + bias)
+std::vector<at::Tensor> quantize_rows_int8(at::Tensor x, double qmax);
+
+at::Tensor int8_epilogue(at::Tensor acc, at::Tensor x_scale, at::Tensor w_scale,
+                         c10::optional<at::Tensor> bias, at::ScalarType dtype);
+
+// linear layers with block-quantized weights (block_linear.cpp): kind 0 4-bit (q uint8
+// [N, K/2], scale and mins float16 [N, K/group]), kind 1 8-bit (q int8 [N, K], scale);
+// x [M, K] float32 or bfloat16 -> [M, N] in x's dtype; int8_activations: x quantized per
+// block of 32 and integer dot products (GGUF's arithmetic), else fp32 x fp32
+at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor scale,
+                        c10::optional<at::Tensor> mins, int64_t group,
+                        c10::optional<at::Tensor> bias, bool int8_activations);
+
+// rows [row_begin, row_end) of such a weight widened to float32 (into `out` when given)
+at::Tensor block_dequantize(int64_t kind, at::Tensor q, at::Tensor scale,
+                            c10::optional<at::Tensor> mins, int64_t group, int64_t row_begin,
+                            int64_t row_end, c10::optional<at::Tensor> out);
+
+// int8 x int8 -> exact int32 [M, N] = xq [M, K] . wq [N, K]^T for decode-sized M (int8_gemv.cpp):
+// the same sums as torch._int_mm
+at::Tensor int8_gemv(at::Tensor xq, at::Tensor wq);
+
+// the W8A8 products: int8_gemv up to kInt8GemvRows rows (decode), oneDNN's int8 GEMM
+// (at::_int_mm) above; exact either way, so the choice changes no result
+constexpr int64_t kInt8GemvRows = 16;
+at::Tensor int8_mm(at::Tensor xq, at::Tensor wq);
+
+// a whole W8A8 linear layer, x [rows, K] -> x's dtype: quantize_rows_int8 (qmax 127), int8_mm,
+// int8_epilogue (Int8Linear.forward and the C++ decode loop both call this)
+at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor w_scale,
+                       c10::optional<at::Tensor> bias);
+
+// a linear layer of 1 to 64 rows read from oneDNN's packed weight in blocks of `block` (64 or
+// 32) outputs (packed_gemv.cpp gives the layout; linear.py checks it per shape):
+// x [rows, K] float32 or bfloat16 -> [rows, N]
+at::Tensor packed_gemv(at::Tensor x, int64_t weight_ptr, int64_t n, int64_t k_padded,
+                       c10::optional<at::Tensor> bias, int64_t block);
+// the most rows of `dtype` in blocks of `block` this build gives packed_gemv in a model (0: none;
+// oneDNN computes)
+int64_t packed_gemv_max_rows(at::ScalarType dtype, int64_t block);
+// whether this build computes `dtype` in packed_gemv on this CPU
+bool packed_gemv_supports(at::ScalarType dtype);
+// whether packed_gemv computes bf16 in oneDNN's AMX layout (blocks of 32) with AMX tiles here
+bool packed_gemv_has_amx();
+// let packed_gemv use AMX where it can (the default) or not; returns the previous setting
+bool packed_gemv_set_amx(bool enabled);

@@ -1,0 +1,2 @@
+"""Shared layers: the decoder block's parts, linear layers, MoE, attention backends, KV cache
+tensors."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism: how weights are sharded, and the shared-memory collectives."""

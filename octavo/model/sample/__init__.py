@@ -1,0 +1,1 @@
+"""Sampling: the sampler, its per-step tensors, logits processors."""

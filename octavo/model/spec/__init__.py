@@ -1,0 +1,1 @@
+"""The runner's side of speculative decoding: draft models, self-drafting, acceptance."""

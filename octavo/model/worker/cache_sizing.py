@@ -1,0 +1,86 @@
+"""How many KV blocks the device and the host get, decided by the runner after the weights load.
+
+From `num_kv_blocks`, else `kv_cache_memory_bytes`, else a default: 1 GiB on CPU; on CUDA what
+`gpu_memory_utilization` of the device's total memory leaves once the weights (and anything
+else already on the device, other processes included) are counted, read from the driver after
+loading, and once the activation peak of the largest step is set aside, measured by a profile
+run of that step before the cache exists (vLLM's rule: the utilization caps everything the
+engine uses, not just the cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from octavo.config import ModelConfig
+from octavo.engine_args import EngineArgs
+from octavo.model.layers.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32
+
+MemInfo = Callable[[torch.device], tuple[int, int]]  # (free, total) bytes, like cuda.mem_get_info
+
+
+@dataclass(frozen=True, slots=True)
+class KVBlockCounts:
+    num_blocks: int
+    num_host_blocks: int
+    block_bytes: int
+
+
+def cuda_kv_budget(device: torch.device, utilization: float,
+                   mem_get_info: MemInfo | None = None, activation_bytes: int = 0) -> int:
+    """Bytes the KV cache may take: utilization x total, minus what is in use already (the
+    weights, anyone else's memory) and the profiled activation peak."""
+    free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
+    in_use = total - free
+    budget = int(total * utilization) - in_use - activation_bytes
+    logger.info("KV cache sizing on %s: %.2f GiB total, %.2f GiB in use after loading, "
+                "%.2f GiB activation peak (profile run), utilization %.2f -> %.2f GiB for the "
+                "KV cache", device, total / 2**30, in_use / 2**30, activation_bytes / 2**30,
+                utilization, budget / 2**30)
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no memory for the KV cache: "
+            f"{in_use / 2**30:.2f} of {total / 2**30:.2f} GiB are in use after loading the "
+            f"weights and the largest step's activations need {activation_bytes / 2**30:.2f} GiB"
+        )
+    return budget
+
+
+def size_kv_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
+                   device: torch.device, mem_get_info: MemInfo | None = None,
+                   extra_block_bytes: int = 0,
+                   activation_peak: Callable[[], int] | None = None) -> KVBlockCounts:
+    """`extra_block_bytes`: what each block costs beyond the target's K/V (a draft model's
+    cache, which has the same blocks); `activation_peak`: the profile run, called only where
+    the budget comes from gpu_memory_utilization."""
+    block_bytes = KVCache.bytes_per_block(config, args.block_size, dtype) + extra_block_bytes
+    if args.num_kv_blocks is not None:
+        num_blocks = args.num_kv_blocks
+    else:
+        budget = args.kv_cache_memory_bytes
+        if budget is None:
+            if device.type == "cuda":
+                peak = activation_peak() if activation_peak is not None else 0
+                budget = cuda_kv_budget(device, args.gpu_memory_utilization, mem_get_info,
+                                        peak)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} is smaller than one KV block "
+                f"({block_bytes} bytes at block_size={args.block_size})"
+            )
+    if args.swap_space is not None:
+        num_host = int(args.swap_space * (1 << 30)) // block_bytes
+    else:
+        num_host = num_blocks if args.preemption_mode == "swap" else 0
+    return KVBlockCounts(num_blocks, num_host, block_bytes)

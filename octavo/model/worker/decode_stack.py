@@ -1,0 +1,103 @@
+"""Decode steps without the interpreter between the layers: `DecodeStack` (csrc/decode_stack.cpp)
+runs every decoder layer of a step whose rows are all single-token decodes in one C++ loop,
+calling the same compiled kernels in the same order as the Python layers (layers.py), so the
+logits are identical (tests/model/worker/test_decode_stack.py); prefill and mixed steps keep the
+Python path, and so do decode steps of more than block_quant.SMALL_BATCH rows on a model with
+block weights (their tiled path is Python's).
+
+It applies to the plain pre-norm Llama layer (Llama, Mistral/Qwen2 without sliding layers,
+SmolLM2, ...) on CPU with octavo's compiled ops and paged-decode kernel, whatever the linear
+layers are (oneDNN-packed fp32/bf16, int8, 4/8-bit blocks, plain); any other layer (Qwen3's
+q/k norms, Gemma's, MoE, sliding windows, soft caps), tensor parallelism or a hook on a
+module keeps the Python path. OCTAVO_DECODE_STACK=0 turns it off (the benchmarks' A/B).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from torch import nn
+
+from octavo.model.layers.decoder import MLP, Attention, DecoderLayer, RMSNorm
+from octavo.model.layers.linear import PackedLinear
+from octavo.model.models.llama import LlamaForCausalLM
+from octavo.model.quant.block_quant import SMALL_BATCH, BlockQuantLinear
+from octavo.model.quant.quantization import Int8Linear
+
+logger = logging.getLogger(__name__)
+ENV_VAR = "OCTAVO_DECODE_STACK"
+BLOCK, ONEDNN, INT8, PLAIN = 0, 1, 2, 3
+
+
+def _linear_spec(m: nn.Module) -> tuple | None:
+    """(type, tensors, bias, kind, group, int8_activations[, packed_gemv's arguments]) for the
+    C++ loop, or None."""
+    if isinstance(m, BlockQuantLinear) and m.ops is not None:
+        tensors = [m.q, m.scale] + ([m.mins] if m.mins is not None else [])
+        return (BLOCK, tensors, m.bias, m.fmt.kind, m.fmt.group, m.fmt.int8_activations)
+    if isinstance(m, PackedLinear):
+        return (ONEDNN, [m.packed], m.bias, 0, 0, False, m.gemv_args())
+    if isinstance(m, Int8Linear) and m.ops is not None:
+        return (INT8, [m.weight_q, m.weight_scale], m.bias, 0, 0, False)
+    if type(m) is nn.Linear:
+        return (PLAIN, [m.weight], m.bias, 0, 0, False)
+    return None
+
+
+def _why_not(model: nn.Module, backend: Any) -> str | None:
+    if os.environ.get(ENV_VAR, "1") == "0":
+        return f"{ENV_VAR}=0"
+    if getattr(backend, "name", None) != "cpu":
+        return "not the compiled CPU attention backend"
+    if getattr(model, "shard", None) is not None:
+        return "tensor parallelism"
+    if type(model).forward is not LlamaForCausalLM.forward:
+        return f"{type(model).__name__} has a forward of its own"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer) is not DecoderLayer or type(attn) is not Attention
+                or type(mlp) is not MLP or type(layer.input_layernorm) is not RMSNorm
+                or type(layer.post_attention_layernorm) is not RMSNorm):
+            return f"layer type {type(layer).__name__}"
+        if attn.q_norm is not None or attn.window is not None or attn.softcap is not None:
+            return "q/k norms, sliding windows or soft caps"
+        if any(m.ops is None for m in (attn, mlp, layer.input_layernorm)):
+            return "the compiled fused ops are off"
+        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if _linear_spec(m) is None:
+                return f"linear layer {type(m).__name__}"
+        for m in layer.modules():
+            if m._forward_hooks or m._forward_pre_hooks:
+                return "a module hook"
+    return None
+
+
+def build_decode_stack(model: nn.Module, backend: Any, kv_groups: Any) -> Any | None:
+    """The C++ decode loop for `model`, or None where the Python path must run (logged)."""
+    problem = _why_not(model, backend)
+    ops = model.layers[0].self_attn.ops if not problem else None
+    if problem is None and not hasattr(ops, "DecodeStack"):
+        problem = "the compiled ops lack DecodeStack"
+    if problem is None and len(set(kv_groups.layer_group)) != 1:
+        problem = "more than one KV cache group"
+    if problem is not None:
+        logger.info("decode steps run layer by layer in Python (%s)", problem)
+        return None
+    first = model.layers[0]
+    attn = first.self_attn
+    # a block-weight layer runs its register kernel up to SMALL_BATCH rows and its tiled path
+    # above (BlockQuantLinear.forward): larger steps stay in Python, so both paths compute alike
+    blocks = any(isinstance(m, BlockQuantLinear) for m in model.layers.modules())
+    stack = ops.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                            first.input_layernorm.eps, attn.scale,
+                            SMALL_BATCH if blocks else 2**62)
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        kv_groups.layer_slot[i],
+                        *(_linear_spec(m) for m in (attn.qkv_proj, attn.o_proj,
+                                                    mlp.gate_up_proj, mlp.down_proj)))
+    logger.info("decode steps run their %d layers in one C++ loop", stack.num_layers())
+    return stack

@@ -1,0 +1,349 @@
+"""The model runner: executes a StepPlan and samples, returning plain Python values.
+
+It owns every piece of device state: the weights, the paged KV cache (sized here, after the
+weights load), the attention backend, the RNG, and what it keeps of each sequence between steps
+(InputBatch). It knows nothing of requests or scheduling; it executes exactly what the plan
+says. Start-up: `ModelRunner(...)` loads the weights, `size_kv_blocks()` says how many blocks
+fit, `init_kv_cache(n)` allocates them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from octavo.config import ModelConfig
+from octavo.engine_args import EngineArgs
+from octavo.model.dtype_policy import DTYPES, resolve_isa_and_dtype
+from octavo.model.layers.attention import get_backend
+from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.linear import PackedLinear
+from octavo.model.loader import load_model
+from octavo.model.parallel.tensor_parallel import ShardPlan, TPGroup
+from octavo.model.quant.block_quant import BlockQuantLinear
+from octavo.model.quant.quantization import Int8Linear, weight_bytes
+from octavo.model.sample.logits_processor import LogitsProcessors
+from octavo.model.sample.metadata import SamplingMetadata
+from octavo.model.sample.sampler import Sampler, compute_logprobs
+from octavo.model.sources import resolve_model_dir
+from octavo.model.spec.draft_acceptance import accept_drafts
+from octavo.model.spec.draft_model import DraftModelDrafter
+from octavo.model.spec.self_draft import SelfDrafter
+from octavo.model.worker.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
+from octavo.model.worker.cuda_graphs import DecodeGraphs
+from octavo.model.worker.decode_stack import build_decode_stack
+from octavo.model.worker.input_batch import InputBatch
+from octavo.model.worker.profile_run import activation_peak
+from octavo.step_plan import RunnerOutput, SeqChunk, StepPlan
+
+__all__ = ["DTYPES", "ModelRunner", "load_model"]
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return d
+
+
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t's rows `rows`: t itself (no gather) where they are all its rows in order."""
+    if rows == list(range(len(t))):
+        return t
+    return t[torch.tensor(rows, dtype=torch.long, device=t.device)]
+
+
+@dataclass(slots=True)
+class StepLogits:
+    # per chunk that samples, in plan order: one row, or with drafts one more per draft
+    sample: torch.Tensor
+    # seq_id -> [num_tokens, vocab] for chunks that want prompt logprobs
+    prompt: dict[int, torch.Tensor]
+    # the plan as computed: with the drafts the runner proposed filled in
+    plan: StepPlan
+
+
+class ModelRunner:
+    """`tp`: this runner's rank in a tensor-parallel group (None: the whole model here). Every
+    rank executes every plan; rank 0's RunnerOutput is the step's."""
+
+    def __init__(self, args: EngineArgs, model_dir: Path, config: ModelConfig,
+                 tp: TPGroup | None = None) -> None:
+        self.args = args
+        self.config = config
+        self.tp = tp
+        # what this rank's layers and KV cache hold (its heads and MLP units under TP)
+        self.local_config = (ShardPlan(config, tp.rank, tp.size).local_config
+                             if tp is not None and tp.size > 1 else config)
+        self.device = resolve_device(args.device)
+        isa, self.dtype_choice = resolve_isa_and_dtype(args.cpu_isa, args.dtype, config,
+                                                       self.device)
+        self.isa = isa or "none"
+        self.dtype = self.dtype_choice.dtype
+        self.block_size = args.block_size
+        torch.manual_seed(args.seed)
+        max_positions = args.max_model_len or config.max_position_embeddings
+        self.max_positions = max_positions
+        self.graphs: DecodeGraphs | None = None  # set by init_kv_cache where they apply
+        self.model = load_model(model_dir, config, self.dtype, self.device, max_positions,
+                                args.linear_backend, args.fused_ops, isa, tp,
+                                args.quantization, args.quantization_group_size)
+        self.backend = get_backend(args.attention_backend, self.device, isa)
+        self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
+        self.sampler = Sampler()
+        self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
+        self.kv_cache: KVCache | None = None
+        self.drafter = self._make_drafter(max_positions, isa)
+        logger.info("kernels: %s (dtype: %s)", self.kernel_path(), self.dtype_choice.reason)
+
+    def _make_drafter(self, max_positions: int, isa: str | None
+                      ) -> SelfDrafter | DraftModelDrafter | None:
+        """What proposes drafts in the runner (speculative decoding by a model), or None."""
+        spec = self.args.speculative()
+        if spec is None:
+            return None
+        if spec.method == "self_draft":
+            return SelfDrafter(self.model, spec.num_draft_layers)
+        if spec.method != "draft_model":
+            return None  # n-gram: the scheduler proposes
+        assert spec.model is not None
+        draft_dir = resolve_model_dir(spec.model)
+        draft_config = ModelConfig.from_dir(draft_dir)
+        draft = load_model(draft_dir, draft_config, self.dtype, self.device, max_positions,
+                           self.args.linear_backend, self.args.fused_ops, isa)
+        return DraftModelDrafter(draft, draft_config, self.model, self.config)
+
+    def kernel_path(self) -> dict[str, str]:
+        """Which kernels this runner took (benchmarks record it next to the CPU's flags):
+        the ISA of octavo's compiled ops (cpu_isa.py; "none" where none run), the dtype asked
+        for and the one computed in, whether prefill attention takes the CPU's bf16 dot
+        products, and up to how many rows oneDNN-packed linear layers run octavo's GEMV."""
+        modules = list(self.model.modules())
+        kinds = [name for name, cls in (("onednn", PackedLinear), ("int8", Int8Linear),
+                                        ("blocks", BlockQuantLinear))
+                 if any(isinstance(m, cls) for m in modules)]
+        linear = "+".join(kinds) or "torch"
+        ops = next((m.ops for m in modules if getattr(m, "ops", None) is not None), None)
+        fused = "torch" if ops is None else "triton" if ops.isa() == "triton" else "cpu"
+        compiled = fused == "cpu" or hasattr(self.backend, "kernel")
+        kernel = getattr(self.backend, "kernel", None)
+        bf16_dot = (self.dtype == torch.bfloat16 and hasattr(kernel, "prefill_bf16_dot")
+                    and kernel.prefill_bf16_dot())
+        gemv = max((m.gemv_rows for m in modules if isinstance(m, PackedLinear)), default=0)
+        amx = any(isinstance(m, PackedLinear) and m.gemv_rows and m.gemv_block == 32
+                  for m in modules) and ops is not None and ops.packed_gemv_has_amx()
+        return {"device": str(self.device), "dtype": self.dtype_choice.name,
+                "dtype_requested": self.args.dtype,
+                "isa": self.isa if compiled else "none",
+                "attention": type(self.backend).__name__, "linear": linear, "fused_ops": fused,
+                "prefill_bf16_dot": bool(bf16_dot),
+                "decode_gemv": (f"packed_gemv <= {gemv} rows{' (AMX tiles)' if amx else ''}"
+                                if gemv else "off"),
+                "decode_loop": "c++" if self.model.decode_stack is not None else "python",
+                "cuda_graphs": "off" if self.graphs is None else
+                f"decode batches <= {self.graphs.buckets[-1]}",
+                **self.weights_report()}
+
+    def weights_report(self) -> dict[str, int | str]:
+        """The weights' bytes in memory, and what quantization saved (0 without)."""
+        report = self.model.quant_report
+        return {"quantization": report.method if report is not None else "none",
+                "weights_bytes": weight_bytes(self.model),
+                "quantization_saved_bytes": report.saved_bytes if report is not None else 0}
+
+    # ---- start-up -------------------------------------------------------------------------
+    def size_kv_blocks(self, mem_get_info: MemInfo | None = None) -> KVBlockCounts:
+        """Blocks for the device and the host; on CUDA from the memory left after the weights."""
+        extra = 0
+        if isinstance(self.drafter, DraftModelDrafter):  # its cache has the target's blocks
+            extra = KVCache.bytes_per_block(self.drafter.config, self.block_size, self.dtype)
+        return size_kv_blocks(self.args, self.local_config, self.dtype, self.device,
+                              mem_get_info, extra_block_bytes=extra,
+                              activation_peak=self.profile_run)
+
+    def profile_run(self) -> int:
+        """The largest step's activation peak on CUDA (profile_run.py; 0 elsewhere)."""
+        return activation_peak(self.model, self.backend, self.args, self.local_config,
+                               self.max_positions, self.dtype, self.device)
+
+    def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
+                                self.device, num_host_blocks)
+        if self.backend.name == "triton":
+            from octavo.model.kernels.triton.cache_ops import copy_blocks
+
+            self.kv_cache.block_copier = copy_blocks
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+        if self.device.type == "cpu" and (self.tp is None or self.tp.size == 1):
+            self.model.decode_stack = build_decode_stack(self.model, self.backend,
+                                                         self.kv_cache.groups)
+        if self._wants_cuda_graphs():
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend, self.device,
+                                       self.args.max_num_seqs, self.max_positions,
+                                       self.config.kv_groups.windows)
+            self.graphs.capture_all()
+
+    def _wants_cuda_graphs(self) -> bool:
+        """CUDA graphs for decode: on CUDA, with the Triton backend, one rank, unless
+        enforce_eager (cuda_graphs.py)."""
+        return (self.device.type == "cuda" and not self.args.enforce_eager
+                and self.backend.name == "triton" and (self.tp is None or self.tp.size == 1))
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        logits = self.forward(plan)
+        return self._sample(logits.plan, logits)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> StepLogits:
+        """Apply the plan's sequence changes and KV copies, then run the model; the logits of
+        every sampling chunk's last token and of every prompt-logprobs chunk's tokens."""
+        assert self.kv_cache is not None, "init_kv_cache first"
+        self.batch.apply(plan)
+        for seq_id in plan.finished_seq_ids:
+            self.logits_processors.forget(seq_id)
+        if self.drafter is not None:
+            for seq_id in plan.finished_seq_ids + [n.seq_id for n in plan.new_seqs]:
+                self.drafter.forget(seq_id)
+        self.kv_cache.swap_out(plan.swap_out)
+        self.kv_cache.swap_in(plan.swap_in)
+        self.kv_cache.copy_blocks(plan.block_copies)
+        if not plan.chunks:
+            empty = torch.empty(0, self.config.vocab_size, device=self.device)
+            return StepLogits(sample=empty, prompt={}, plan=plan)
+        if self.drafter is not None and any(c.num_draft_tokens for c in plan.chunks):
+            drafts = self.drafter.propose(plan.chunks, self.batch, self.kv_cache, self.backend)
+            plan = replace(plan, chunks=[replace(c, draft_token_ids=drafts[c.seq_id])
+                                         if c.seq_id in drafts else c for c in plan.chunks])
+        inputs = self.batch.prepare(plan.chunks)
+        row_starts: dict[int, int] = {}
+        row = 0
+        for idx in inputs.order:
+            row_starts[idx] = row
+            row += plan.chunks[idx].num_query_tokens
+        # Rows to project to the vocabulary: the last token of every sampling chunk (and each of
+        # its drafts), plus every token of chunks that want prompt logprobs.
+        wanted: list[int] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[int, int, int]] = []
+        for idx, chunk in enumerate(plan.chunks):
+            n, start = len(chunk.token_ids), row_starts[idx]
+            if chunk.prompt_logprobs:
+                prompt_rows.append((chunk.seq_id, len(wanted), n))
+                wanted.extend(range(start, start + n))
+            if chunk.sample_seq_ids:
+                if chunk.prompt_logprobs:
+                    sample_rows.append(len(wanted) - 1)
+                else:
+                    sample_rows.append(len(wanted))
+                    wanted.append(start + n - 1)
+                for j in range(chunk.num_draft_tokens):
+                    sample_rows.append(len(wanted))
+                    wanted.append(start + n + j)
+        logit_idx = torch.tensor(wanted, dtype=torch.long, device=self.device)
+        bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
+        if bucket is not None:  # a decode-only step: replayed from its bucket's graph
+            logits = self.graphs.run(inputs, bucket)[logit_idx]
+        else:
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache,
+                                inputs.metas, self.backend, logit_idx)
+        sampled = take_rows(logits, sample_rows)
+        return StepLogits(sample=sampled,
+                          prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows},
+                          plan=plan)
+
+    def _sample(self, plan: StepPlan, logits: StepLogits) -> RunnerOutput:
+        """Sample every sampling chunk's sequences. A chunk with drafts samples each of its
+        positions as if the drafts before it were the sequence's outputs (their penalties,
+        bans and seeded draws are those a plain decode would have at that position), then
+        keeps the drafts its samples agree with and the first sample that disagrees. For a
+        draft that is a single token, this is rejection sampling: the token at each position
+        has the target distribution, and a seeded request gets the tokens it gets without
+        speculation."""
+        out = RunnerOutput()
+        rows: list[int] = []
+        seq_ids: list[int] = []
+        positions: list[int] = []  # draft position of each row (0: the next token)
+        histories: list[list[int]] = []
+        spec: list[tuple[SeqChunk, int]] = []  # (chunk with drafts, its first row)
+        row = 0
+        for chunk in plan.chunks:
+            if not chunk.sample_seq_ids:
+                continue
+            if chunk.draft_token_ids:
+                assert chunk.sample_seq_ids == (chunk.seq_id,), "drafts on a fan-out chunk"
+                tokens, drafts = self.batch.seqs[chunk.seq_id].token_ids, chunk.draft_token_ids
+                spec.append((chunk, len(seq_ids)))
+                for j in range(len(drafts) + 1):
+                    rows.append(row + j)
+                    seq_ids.append(chunk.seq_id)
+                    positions.append(j)
+                    histories.append(tokens + drafts[:j] if j else tokens)
+                row += len(drafts) + 1
+                continue
+            for seq_id in chunk.sample_seq_ids:
+                rows.append(row)
+                seq_ids.append(seq_id)
+                positions.append(0)
+                histories.append(self.batch.seqs[seq_id].token_ids)
+            row += 1
+        if seq_ids:
+            states = [self.batch.seqs[s] for s in seq_ids]
+            grammar = None
+            if plan.grammar_bitmask is not None:  # computed while the forward ran
+                gb = plan.grammar_bitmask
+                row_of = {key: r for r, key in enumerate(zip(seq_ids, positions, strict=True))}
+                grammar = ([row_of[key] for key in zip(
+                    gb.seq_ids, gb.positions or [0] * len(gb.seq_ids), strict=True)],
+                    gb.pending.result())
+            meta = SamplingMetadata.from_params(
+                [s.params for s in states], histories,
+                [s.num_prompt_tokens for s in states], self.config.vocab_size,
+                indices=[s.index for s in states], device=self.device, grammar=grammar,
+            )
+            sample = take_rows(logits.sample, rows)
+            custom = None
+            procs = self.logits_processors
+            if procs:
+                procs.update(seq_ids, [s.params for s in states],
+                             [s.token_ids[: s.num_prompt_tokens] for s in states],
+                             [s.token_ids[s.num_prompt_tokens:] for s in states])
+
+                def custom(x: torch.Tensor) -> torch.Tensor:
+                    return procs.apply(x, meta.all_greedy)
+            result = self.sampler(sample, meta, custom)
+            if procs:
+                procs.record(seq_ids, result.sampled_token_ids)
+            tokens_of, logprobs_of = result.sampled_token_ids, result.logprobs
+            for seq_id, token, lp in zip(seq_ids, tokens_of, logprobs_of, strict=True):
+                out.sampled_token_ids[seq_id] = [token]
+                if lp is not None:
+                    out.logprobs[seq_id] = [lp]
+            for chunk, first in spec:
+                seq_id, drafts = chunk.seq_id, chunk.draft_token_ids
+                kept = accept_drafts(drafts, tokens_of[first : first + len(drafts) + 1])
+                out.sampled_token_ids[seq_id] = kept
+                if logprobs_of[first] is not None:
+                    out.logprobs[seq_id] = logprobs_of[first : first + len(kept)]
+                # the runner knows the tokens whose K/V it wrote: the accepted drafts
+                self.batch.seqs[seq_id].token_ids.extend(drafts[: len(kept) - 1])
+                if self.drafter is not None:
+                    self.drafter.accepted(seq_id, chunk.context_len - 1, len(kept) - 1)
+        for chunk in plan.chunks:
+            if chunk.prompt_logprobs:
+                state = self.batch.seqs[chunk.seq_id]
+                # row t of the chunk predicts prompt token start + t + 1
+                end = min(chunk.context_len, state.num_prompt_tokens - 1)
+                targets = state.token_ids[chunk.start_pos + 1 : end + 1]
+                k = state.params.prompt_logprobs or 0
+                out.prompt_logprobs[chunk.seq_id] = (
+                    compute_logprobs(logits.prompt[chunk.seq_id][: len(targets)], targets, k)
+                    if targets else []
+                )
+        return out
