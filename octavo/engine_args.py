@@ -147,13 +147,16 @@ class EngineArgs:
     fused_ops: str = _opt("auto", "auto, torch, cpu or triton (fused RMSNorm / RoPE / "
                           "SiLU-and-mul)", choices=("auto", "torch", "cpu", "triton"))
     quantization: str | None = _opt(
-        None, "quantized weights: int8 (W8A8 at load: every linear layer, the LM head "
-        "included, int8 weights with per-channel scales, activations quantized per token, "
-        "int8 GEMMs through oneDNN), int4 (weight-only at load: 4-bit groups of "
-        "--quantization-group-size with a float16 scale and min, widened in registers; the "
-        "LM head in 8-bit blocks), gguf (a GGUF model's Q4_0/Q4_1/Q8_0 weights kept in their "
-        "blocks and computed directly)",
-        choices=("int8", "int4", "gguf"))
+        "auto", "quantized weights: auto (a GGUF file's own blocks, gguf, for a model given "
+        "as a GGUF file or an installed model's name, but for the embedded default model; "
+        "none elsewhere), none (None from Python: every weight in the model dtype, a GGUF's "
+        "dequantized), int8 (W8A8 at load: every linear layer, the LM head included, int8 "
+        "weights with per-channel scales, activations quantized per token, int8 GEMMs through "
+        "oneDNN), int4 (weight-only at load: 4-bit groups of --quantization-group-size with a "
+        "float16 scale and min, widened in registers; the LM head in 8-bit blocks), gguf (a "
+        "GGUF model's Q4_0/Q4_1/Q8_0 weights kept in their blocks and computed directly, the "
+        "other types dequantized at load)",
+        choices=("auto", "none", "int8", "int4", "gguf"))
     quantization_group_size: int = _opt(
         32, "int4: weights per scale and min (32, as llama.cpp's Q4 formats; 64 or 128)",
         choices=(32, 64, 128))
@@ -171,6 +174,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if isinstance(self.logits_processors, list):  # LLM(logits_processors=[...])
             object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        if self.quantization == "none":  # the command line's spelling of None
+            object.__setattr__(self, "quantization", None)
         for f in fields(self):
             value = getattr(self, f.name)
             choices, check = f.metadata["choices"], f.metadata["check"]
@@ -187,7 +192,7 @@ class EngineArgs:
             # a custom processor keeps per-sequence state a step of several positions breaks
             raise EngineArgsError("speculative_config", "cannot be combined with "
                                   "logits_processors")
-        if self.quantization is not None:
+        if self.quantization not in (None, "auto"):
             if not self.device.startswith("cpu"):
                 raise EngineArgsError("quantization", f"{self.quantization!r} runs on CPU only "
                                       "(its kernels are octavo's and oneDNN's CPU ones)")
@@ -237,6 +242,8 @@ class EngineArgs:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(EngineArgs))
+# options whose None the command line spells "none" (their default is something else)
+_NONE_SPELLED = {f.name for f in fields(EngineArgs) if "none" in (f.metadata["choices"] or ())}
 
 
 def from_kwargs(**kwargs: Any) -> EngineArgs:
@@ -327,6 +334,8 @@ def to_cli_flags(options: dict[str, Any]) -> list[str]:
             if value:
                 out += [flag(name), ",".join(v if isinstance(v, str) else
                                              f"{v.__module__}:{v.__qualname__}" for v in value)]
+        elif value is None and name in _NONE_SPELLED:  # None that is not the default
+            out += [flag(name), "none"]
         elif value is not None:
             out += [flag(name), str(value)]
     return out

@@ -5,6 +5,7 @@ in a cycle.
     neutral (sampling_params, outputs, step_plan, config, engine_args, gc_heap)
     paging <- engine <- llm <- {chat, server <- bench} <- cli;   model <- engine
     {server, paging, model} <- router <- {bench, cli}   (the data-parallel router)
+    model <- cli   (`octavo pull` and `octavo models`: the installed models, no engine)
     paging and model know nothing of each other, of requests or of the layers above them.
 
 Inside model/, the sub-packages are layers of their own (MODEL_ALLOWED):
@@ -37,7 +38,7 @@ ALLOWED = {
     "router": {"router", "server", "paging", "model", "neutral"},
     "bench": {"bench", "router", "server", "llm", "engine", "paging", "model", "neutral",
               "api"},
-    "cli": {"cli", "chat", "server", "router", "bench", "llm", "neutral", "api"},
+    "cli": {"cli", "chat", "server", "router", "bench", "llm", "model", "neutral", "api"},
     "api": {"api", "llm", "neutral"},  # octavo/__init__.py: the public names, lazily
 }
 

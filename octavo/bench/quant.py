@@ -132,7 +132,7 @@ def speed(llm: LLM, opts: BenchOptions, repeats: int) -> dict[str, Any]:
 def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
     repeats = opts.reps(1, 3)
     results: dict[str, Any] = {}
-    base = make_llm(opts.model, overrides=opts.engine_overrides)
+    base = make_llm(opts.model, overrides=opts.engine_overrides, quantization=None)
     tokenizer = base.get_tokenizer()
     results["fp32"] = {**speed(base, opts, repeats),
                        "kernel_path": base.engine.kernel_path(),

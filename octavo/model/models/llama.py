@@ -9,7 +9,7 @@ checkpoint differs overrides one of the `_load_*` steps (phi3.py, qwen3.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from octavo.model.layers.attention.base import AttentionBackend, AttentionMetada
 from octavo.model.layers.decoder import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from octavo.model.layers.kv_cache import KVCache
 from octavo.model.layers.linear import PackedLinear
-from octavo.model.layers.weights import Put, Take
+from octavo.model.layers.weights import Checkpoint, Put, Take
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,12 +84,23 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, PackedLinear):
                 module.use_gemv(ops)
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load an HF Llama checkpoint's tensors, fusing q/k/v and gate/up."""
+    def load_hf_state_dict(self, tensors: Checkpoint, skip: Collection[str] = (),
+                           sources: dict[str, list[str]] | None = None) -> None:
+        """Load an HF Llama checkpoint's tensors, fusing q/k/v and gate/up. `skip`: parameters
+        left alone (the loader puts other layers in their place); `sources`, when given, gets
+        each parameter's checkpoint names, in the order they were read (the GGUF loader traces
+        the loading this way, on the meta device)."""
         own = dict(self.named_parameters())
         loaded: set[str] = set()
+        taken: list[str] = []
 
         def put(name: str, value: torch.Tensor) -> None:
+            if sources is not None:
+                sources[name] = list(dict.fromkeys(taken))
+            taken.clear()
+            if name in skip:
+                loaded.add(name)
+                return
             if name not in own:
                 raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r}")
             if self.shard is not None:
@@ -107,14 +118,13 @@ class LlamaForCausalLM(nn.Module):
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
+            taken.append(name)
             return tensors[name]
 
         put("embed_tokens.weight", take("model.embed_tokens.weight"))
         put("norm.weight", take("model.norm.weight"))
-        lm_head = tensors.get("lm_head.weight")
-        if lm_head is None or self.config.tie_word_embeddings:
-            lm_head = take("model.embed_tokens.weight")
-        put("lm_head.weight", lm_head)
+        tied = self.config.tie_word_embeddings or "lm_head.weight" not in tensors
+        put("lm_head.weight", take("model.embed_tokens.weight" if tied else "lm_head.weight"))
         for i in range(self.config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for norm in ("input_layernorm", "post_attention_layernorm"):

@@ -1,28 +1,34 @@
-"""What the loader needs to know about GGUF files before and while it converts one.
+"""A GGUF file's config and tokenizer as the small files of an HF directory (config.json,
+generation_config.json, the tokenizer's files): written once per file into the cache, so that
+the engine reads a GGUF model's architecture and tokenizer as it reads any other. No weights:
+the loader reads those from the GGUF file itself (model/gguf_loader.py).
 
-transformers reads GGUF checkpoints itself (``from_pretrained(dir, gguf_file=...)``, with the
-``gguf`` package), dequantizing every tensor; this module adds the small parts it does not:
+- the config is transformers' reading of the metadata (`AutoConfig.from_pretrained(...,
+  gguf_file=...)`), plus what it leaves out that shapes the weights: Qwen2-MoE's expert sizes
+  (from the expert tensors' shapes) and the head size (`attention.key_length`);
+- the tokenizer, its special tokens and chat template are transformers' conversion of the
+  file's tokenizer metadata; files without a chat template get their family's where it is
+  fixed (Gemma 3: `fallback_chat_template`);
+- the tokens that end a turn besides the file's EOS (Gemma's <end_of_turn>, ChatML's
+  <|im_end|> and <|endoftext|>, Llama 3's <|eot_id|>...), as the models' own generation
+  configs list them, are added to `eos_token_id` where the vocabulary has them.
 
-- `read_gguf_architecture`: the file's ``general.architecture`` from its header, without
-  parsing the (large) tokenizer arrays, so an unsupported file fails in milliseconds;
-- `GGUF_ARCHITECTURES`: the GGUF architectures octavo converts (and the HF model_type each
-  becomes);
-- `fallback_chat_template`: a chat template for files that carry none (Gemma 3 GGUFs made from
-  the base checkpoints do not; Gemma's template is the same for every Gemma 3 model).
+`read_gguf_architecture` reads ``general.architecture`` from the header alone, so that a file
+of an unsupported architecture fails in milliseconds.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import struct
+import tempfile
 from pathlib import Path
+from typing import Any
 
-# GGUF general.architecture -> the HF model_type transformers turns it into. Only these are
-# converted: both are tested (tests/model/test_gguf_models.py); others transformers can read
-# would need their own checks first.
-GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "llama",
-    "gemma3": "gemma3_text",
-}
+from octavo.model.quant.gguf_file import GGUFFile, GGUFFormatError
+from octavo.model.quant.gguf_tensors import ARCHITECTURES
 
 _MAGIC = b"GGUF"
 # GGUF metadata value types -> struct format of a scalar (8 string, 9 array are variable length)
@@ -30,9 +36,17 @@ _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?
                    10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 
-
-class GGUFFormatError(ValueError):
-    """The file is not a GGUF file octavo can read."""
+# model_type -> token texts that end a turn besides the file's EOS (the models' generation
+# configs list them as EOS ids)
+END_OF_TURN: dict[str, tuple[str, ...]] = {
+    "llama": ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
+    "qwen2": ("<|im_end|>", "<|endoftext|>"),
+    "qwen2_moe": ("<|im_end|>", "<|endoftext|>"),
+    "qwen3": ("<|im_end|>", "<|endoftext|>"),
+    "phi3": ("<|end|>", "<|endoftext|>"),
+    "gemma2": ("<end_of_turn>",),
+    "gemma3_text": ("<end_of_turn>",),
+}
 
 
 def read_gguf_architecture(path: str | Path) -> str:
@@ -87,14 +101,79 @@ def _skip_value(f, value_type: int, path: Path) -> None:
 
 
 def check_supported(path: str | Path) -> str:
-    """The HF model_type the GGUF at `path` converts to; a clear error if octavo cannot."""
+    """The HF model_type the GGUF at `path` runs as; a clear error if octavo cannot."""
     arch = read_gguf_architecture(path)
-    if arch not in GGUF_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise ValueError(
-            f"GGUF file {str(path)!r} has architecture {arch!r}; octavo converts GGUF files of "
-            f"these architectures: {', '.join(GGUF_ARCHITECTURES)}"
+            f"GGUF file {str(path)!r} has architecture {arch!r}; octavo runs GGUF files of "
+            f"these architectures: {', '.join(ARCHITECTURES)}"
         )
-    return GGUF_ARCHITECTURES[arch]
+    return ARCHITECTURES[arch]
+
+
+def hf_config(gguf_path: Path, gf: GGUFFile) -> dict[str, Any]:
+    """config.json's contents for the GGUF file (see the module docstring)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    d = config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        d.pop(key, None)
+    model_type = d["model_type"]
+    key_length = gf.arch_get("attention.key_length")
+    if key_length:
+        d["head_dim"] = int(key_length)
+    if model_type == "qwen2_moe":  # transformers keeps its defaults; the tensors say
+        experts = gf.tensors.get("blk.0.ffn_gate_exps.weight")
+        shared = gf.tensors.get("blk.0.ffn_gate_shexp.weight")
+        if experts is not None:
+            d["moe_intermediate_size"] = experts.shape[1]
+        if shared is not None:
+            d["shared_expert_intermediate_size"] = shared.shape[0]
+    d["dtype"] = "float32"
+    d["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")]
+    return d
+
+
+def write_model_dir(gguf_path: Path, out_dir: Path, record: dict[str, Any]) -> Path:
+    """The GGUF file's config and tokenizer files (and `record`, as gguf.json) in `out_dir`,
+    written to a temporary directory and renamed into place."""
+    from transformers import AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
+    try:
+        with GGUFFile(gguf_path) as gf:
+            config = hf_config(gguf_path, gf)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model_type = config["model_type"]
+        if not tokenizer.chat_template:
+            tokenizer.chat_template = fallback_chat_template(model_type)
+        eos = config.get("eos_token_id")
+        eos = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
+        vocab = tokenizer.get_vocab()
+        extra = [vocab[t] for t in END_OF_TURN.get(model_type, ()) if t in vocab]
+        eos += [t for t in dict.fromkeys(extra) if t not in eos]
+        if eos:
+            config["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                      if config.get(k) is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / GGUF_RECORD).write_text(json.dumps(record, indent=2))
+        os.chmod(tmp, 0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+GGUF_RECORD = "gguf.json"  # in a GGUF model's directory: the file and how "auto" runs it
 
 
 # Gemma 3's chat template, as in google/gemma-3-*-it tokenizer_config.json (text and images)
@@ -142,18 +221,9 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- endif -%}\n"
 )
 
-# model_type -> (chat template when the file has none, extra end-of-turn token ids to stop at)
-_FALLBACKS: dict[str, tuple[str, tuple[int, ...]]] = {
-    # <end_of_turn> is 106 in every Gemma 3 vocabulary; HF's generation_config stops at [1, 106]
-    "gemma3_text": (GEMMA3_CHAT_TEMPLATE, (106,)),
-}
+# model_type -> the chat template of files that carry none
+_CHAT_TEMPLATES: dict[str, str] = {"gemma3_text": GEMMA3_CHAT_TEMPLATE}
 
 
 def fallback_chat_template(model_type: str) -> str | None:
-    entry = _FALLBACKS.get(model_type)
-    return entry[0] if entry else None
-
-
-def extra_eos_token_ids(model_type: str) -> tuple[int, ...]:
-    entry = _FALLBACKS.get(model_type)
-    return entry[1] if entry else ()
+    return _CHAT_TEMPLATES.get(model_type)

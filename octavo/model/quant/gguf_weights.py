@@ -1,30 +1,28 @@
-"""`quantization="gguf"`: a GGUF model's Q4_0, Q4_1 and Q8_0 linear weights kept in their
-blocks and computed directly (block_quant.py), instead of the dequantized fp32 copy the loader
-makes of every tensor (loader.py). Tensors of other types keep that copy, as do the token
-embeddings (a lookup, not a matmul) and the norms.
+"""`quantization="gguf"`: a GGUF file's linear weights kept in their blocks and computed
+directly (block_quant.py), for the types `GGUFBlocks.get` returns blocks for (Q4_0, Q4_1,
+Q8_0); the loader (model/gguf_loader.py) dequantizes every other tensor, one at a time, into
+the model's dtype.
 
-The blocks are read with the `gguf` package (which transformers' GGUF loading uses too), split
-into planes (quants, float16 scales, float16 mins) and given the rows the HF layout has: GGUF's
-llama files store q_proj and k_proj with their rows permuted for llama.cpp's RoPE, which
-transformers undoes on the dequantized tensors; here the same row permutation is applied to
-the blocks (a row of blocks is a row of weights). q/k/v and gate/up are concatenated by rows as
-the fused layers want. A tied LM head computes from the token embeddings' blocks.
+A GGUF tensor's blocks are split into planes (quants, float16 scales, float16 mins) and given
+the rows the HF layout has: llama files store q and k with their rows permuted for llama.cpp's
+RoPE, which transformers undoes on the dequantized tensors; here the same row permutation is
+applied to the blocks (a row of blocks is a row of weights). q/k/v and gate/up are
+concatenated by rows as the fused layers want (`concat_blocks`; parts of different formats
+leave the layer dense). A tied LM head computes from the token embeddings' blocks, and where
+the block layer can widen single rows (`dequantize_rows`) the embedding lookup reads them too
+(`BlockEmbedding`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from octavo.config import ModelConfig
 from octavo.model.quant.block_quant import INT4, INT8, BlockFormat, BlockQuantLinear
-from octavo.model.quant.quantization import QuantReport
+from octavo.model.quant.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +32,6 @@ FORMATS = {
     "Q4_1": (BlockFormat("q4_1", INT4, 32, int8_activations=True), 20),
     "Q8_0": (BlockFormat("q8_0", INT8, 32, int8_activations=True), 34),
 }
-GGUF_ARCH = "llama"  # the architecture whose tensor names and permutations this maps
 
 
 def _planes(type_name: str, raw: np.ndarray, rows: int, cols: int):
@@ -58,35 +55,20 @@ def _planes(type_name: str, raw: np.ndarray, rows: int, cols: int):
         None if mins is None else to(np.ascontiguousarray(mins)))
 
 
-def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
-    """The row order transformers' reverse_permute_weights gives a [n, ...] q or k weight."""
-    idx = torch.arange(n)
-    dim = n // heads // 2
-    return idx.reshape(heads, dim, 2).swapaxes(2, 1).reshape(n)
-
-
 class GGUFBlocks:
     """The block-quantized tensors of one GGUF file, by GGUF name."""
 
-    def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
-
-        self.path = path
-        self.reader = GGUFReader(str(path))
-        arch = self.reader.fields.get("general.architecture")
-        name = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "?"
-        if name != GGUF_ARCH:
-            raise ValueError(f"quantization='gguf' runs GGUF files of architecture {GGUF_ARCH!r}; "
-                             f"{str(path)!r} is {name!r}")
-        self.tensors = {t.name: t for t in self.reader.tensors}
+    def __init__(self, gf: GGUFFile) -> None:
+        self.file = gf
+        self.tensors = gf.tensors
 
     def get(self, name: str, rows_perm: torch.Tensor | None = None):
-        """(format, q, scale, mins) of tensor `name`, or None when it is not Q4_0/Q4_1/Q8_0."""
+        """(format, q, scale, mins) of tensor `name`, or None when it is not kept in blocks
+        (not a matrix, or of a type dequantized at load)."""
         t = self.tensors.get(name)
-        if t is None or t.tensor_type.name not in FORMATS:
+        if t is None or t.type_name not in FORMATS or len(t.shape) != 2:
             return None
-        cols, rows = int(t.shape[0]), int(t.shape[1])
-        planes = _planes(t.tensor_type.name, t.data, rows, cols)
+        planes = _planes(t.type_name, self.file.raw(name), t.rows, t.cols)
         if planes is None:
             logger.warning("GGUF tensor %s: Q4_0 scales too large for float16 mins; it is "
                            "dequantized instead", name)
@@ -98,62 +80,44 @@ class GGUFBlocks:
         return fmt, q, scale, mins
 
 
-def _cat(parts):
+def concat_blocks(parts):
     """Concatenate (format, q, scale, mins) by rows; None unless all share one format."""
-    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+    if not parts or any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
         return None
     fmt = parts[0][0]
     mins = None if parts[0][3] is None else torch.cat([p[3] for p in parts])
     return fmt, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]), mins
 
 
-def apply_gguf_blocks(model: nn.Module, config: ModelConfig, gguf_path: Path,
-                      ops: Any = None) -> QuantReport:
-    """Swap the model's linear layers whose GGUF tensors are Q4_0/Q4_1/Q8_0 for block layers
-    (in place); `ops`: the compiled CPU ops they run on (None: torch)."""
-    blocks = GGUFBlocks(gguf_path)
-    q_perm = _unpermute_rows(config.num_heads * config.head_dim, config.num_heads)
-    k_perm = _unpermute_rows(config.num_kv_heads * config.head_dim, config.num_kv_heads)
-    plan: list[tuple[nn.Module, str, list[tuple[str, torch.Tensor | None]]]] = []
-    for i, layer in enumerate(model.layers):
-        b = f"blk.{i}."
-        plan.append((layer.self_attn, "qkv_proj", [(b + "attn_q.weight", q_perm),
-                                                    (b + "attn_k.weight", k_perm),
-                                                    (b + "attn_v.weight", None)]))
-        plan.append((layer.self_attn, "o_proj", [(b + "attn_output.weight", None)]))
-        plan.append((layer.mlp, "gate_up_proj", [(b + "ffn_gate.weight", None),
-                                                  (b + "ffn_up.weight", None)]))
-        plan.append((layer.mlp, "down_proj", [(b + "ffn_down.weight", None)]))
-    head = "output.weight" if "output.weight" in blocks.tensors else "token_embd.weight"
-    plan.append((model, "lm_head", [(head, None)]))
-    layers = before = after = 0
-    formats: Counter[str] = Counter()
-    # a weight another module also holds (a tied LM head's is the embedding's) stays in memory
-    holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    for parent, attr, sources in plan:
-        linear = getattr(parent, attr)
-        if type(linear) is not nn.Linear:
-            continue
-        got = _cat([blocks.get(name, perm) for name, perm in sources])
-        if got is None:
-            continue  # another type: the layer keeps the dequantized weight
-        fmt, q, scale, mins = got
-        layer = BlockQuantLinear(fmt, q, scale, mins, linear.bias)
-        if (layer.out_features, layer.in_features) != tuple(linear.weight.shape):
-            raise ValueError(f"GGUF blocks for {attr} are [{layer.out_features}, "
-                             f"{layer.in_features}], the layer is {tuple(linear.weight.shape)}")
-        layer.ops = ops
-        if holders[id(linear.weight)] == 1:
-            before += linear.weight.numel() * linear.weight.element_size()
-        after += layer.nbytes()
-        layers += 1
-        formats[fmt.name] += 1
-        setattr(parent, attr, layer)
-    if layers == 0:
-        raise ValueError(f"{str(gguf_path)!r} has no Q4_0, Q4_1 or Q8_0 linear weights; "
-                         "quantization='gguf' has nothing to keep in blocks")
-    report = QuantReport("gguf", layers, before, after)
-    logger.info("quantization gguf: %d linear layers kept in GGUF blocks (%s) from %s; weights "
-                "%.1f MiB -> %.1f MiB", layers, ", ".join(f"{k} x{v}" for k, v in formats.items()),
-                gguf_path.name, before / 2**20, after / 2**20)
-    return report
+def block_linear(parts) -> BlockQuantLinear:
+    """The block layer of concatenated parts (its bias is set by the loader)."""
+    fmt, q, scale, mins = parts
+    return BlockQuantLinear(fmt, q, scale, mins, None)
+
+
+def rows_lookup_supported() -> bool:
+    """Whether block layers can widen single rows (an embedding lookup in blocks)."""
+    return callable(getattr(BlockQuantLinear, "dequantize_rows", None))
+
+
+class BlockEmbedding(nn.Module):
+    """The token embeddings looked up in their GGUF blocks: each step widens only its own
+    tokens' rows. `table` is a block layer (a tied LM head's own, when it is tied)."""
+
+    def __init__(self, table: BlockQuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.dequantize_rows(input_ids.reshape(-1))  # type: ignore[operator]
+        return rows.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.table.fmt.name} blocks"
+
+
+def block_types() -> frozenset[str]:
+    """The GGML types whose tensors block layers run as they are."""
+    return frozenset(FORMATS)

@@ -1,0 +1,131 @@
+"""Filling a model built on the meta device straight from a GGUF file, never holding the whole
+model in fp32.
+
+1. Trace: the family's own loader (`load_hf_state_dict`) runs once over meta tensors of the
+   file's shapes (quant/gguf_tensors.py names them as transformers does), which checks every
+   shape and records which checkpoint tensors each parameter is made of.
+2. Plan (`keep_blocks`): every linear layer whose tensors `GGUFBlocks.get` returns blocks for
+   becomes a block layer (quant/gguf_weights.py); its dense weight is never allocated. The
+   token embedding too, where block layers can widen single rows, sharing the tied LM head's
+   blocks.
+3. Fill: the rest is allocated in the model's dtype and loaded by the same family loader, each
+   tensor dequantized on its own into fp32 and copied in (the largest transient: one tensor);
+   the tensors only block layers use are never read as floats.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from octavo.config import ModelConfig
+from octavo.model.models.llama import LlamaForCausalLM
+from octavo.model.quant.block_quant import BlockQuantLinear
+from octavo.model.quant.gguf_file import GGUFFile
+from octavo.model.quant.gguf_tensors import GGUFTensors, check_architecture
+from octavo.model.quant.gguf_weights import (
+    BlockEmbedding,
+    GGUFBlocks,
+    block_linear,
+    concat_blocks,
+    rows_lookup_supported,
+)
+from octavo.model.quant.quantization import QuantReport
+
+logger = logging.getLogger(__name__)
+
+EMBEDDING = "embed_tokens"
+
+
+def load_gguf(model: LlamaForCausalLM, config: ModelConfig, gguf_path: Path,
+              dtype: torch.dtype, device: torch.device, keep_blocks: bool,
+              shard=None) -> QuantReport | None:
+    """Allocate and fill `model` (on the meta device, `to_empty` not yet called) from the
+    GGUF file, in `dtype` on `device`; with `keep_blocks` the block layers take the place of
+    the dense ones (their `ops` are the loader's to set). Returns what was kept in blocks."""
+    with GGUFFile(gguf_path) as gf:
+        check_architecture(gf)
+        tensors = GGUFTensors(gf, config.num_heads, config.num_kv_heads, config.num_layers)
+        sources: dict[str, list[str]] = {}
+        if keep_blocks:
+            tensors.meta = True
+            model.load_hf_state_dict(tensors, sources=sources)
+        layers = _plan_blocks(model, sources, tensors, GGUFBlocks(gf)) if keep_blocks else {}
+        skip = {f"{path}.weight" for path in layers}
+        for path in layers:
+            model.get_submodule(path).weight = None  # never allocated
+        needed = {n for param, names in sources.items() if param not in skip for n in names}
+        tensors.meta = {n for names in sources.values() for n in names} - needed
+        model.to(dtype=dtype)  # on the meta device: nothing to copy
+        model.to_empty(device=device)
+        model.shard = shard
+        model.load_hf_state_dict(tensors, skip=skip)
+    return _swap_in(model, layers, dtype, gguf_path) if keep_blocks else None
+
+
+def _plan_blocks(model: nn.Module, sources: dict[str, list[str]], tensors: GGUFTensors,
+                 blocks: GGUFBlocks) -> dict[str, BlockQuantLinear]:
+    """Module path -> the block layer that replaces it (one object for modules made of the
+    same tensors: a tied LM head and the embedding)."""
+    made: dict[tuple[str, ...], BlockQuantLinear | None] = {}
+    layers: dict[str, BlockQuantLinear] = {}
+    lookup = rows_lookup_supported()
+    for path, module in model.named_modules():
+        embedding = path == EMBEDDING and type(module) is nn.Embedding and lookup
+        if type(module) is not nn.Linear and not embedding:
+            continue
+        out_in = tuple(module.weight.shape)
+        names = tuple(sources.get(f"{path}.weight", ()))
+        if not names:
+            continue
+        if names not in made:
+            found = [tensors.block_source(n) for n in names]
+            parts = None
+            if all(f is not None for f in found):
+                parts = concat_blocks([blocks.get(*f) for f in found if f is not None])
+            made[names] = None if parts is None else block_linear(parts)
+        layer = made[names]
+        if layer is None:
+            continue
+        if (layer.out_features, layer.in_features) != out_in:
+            raise ValueError(f"GGUF blocks for {path} are [{layer.out_features}, "
+                             f"{layer.in_features}], the layer is {list(out_in)}")
+        layers[path] = layer
+    return layers
+
+
+def _swap_in(model: nn.Module, layers: dict[str, BlockQuantLinear], dtype: torch.dtype,
+             gguf_path: Path) -> QuantReport:
+    formats: Counter[str] = Counter()
+    before = after = 0
+    counted: set[int] = set()
+    for path, layer in layers.items():
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, attr)
+        shape = (layer.out_features, layer.in_features)
+        before += shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+        if id(layer) not in counted:
+            counted.add(id(layer))
+            after += layer.nbytes()
+            formats[layer.fmt.name] += 1
+        if isinstance(old, nn.Embedding):
+            setattr(parent, attr, BlockEmbedding(layer, dtype))
+            continue
+        if old.bias is not None:
+            layer.bias = nn.Parameter(old.bias.detach().float(), requires_grad=False)
+        setattr(parent, attr, layer)
+    report = QuantReport("gguf", len(layers), before, after)
+    if layers:
+        logger.info("quantization gguf: %d layers kept in GGUF blocks (%s) from %s; weights "
+                    "%.1f MiB -> %.1f MiB", len(layers),
+                    ", ".join(f"{k} x{v}" for k, v in formats.items()), gguf_path.name,
+                    before / 2**20, after / 2**20)
+    else:
+        logger.warning("quantization gguf: no tensor of %s is of a type run in blocks (%s); "
+                       "every weight is dequantized", gguf_path.name, "Q4_0, Q4_1, Q8_0")
+    return report
