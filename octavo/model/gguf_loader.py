@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,13 +44,15 @@ EMBEDDING = "embed_tokens"
 
 def load_gguf(model: LlamaForCausalLM, config: ModelConfig, gguf_path: Path,
               dtype: torch.dtype, device: torch.device, keep_blocks: bool,
-              shard=None) -> QuantReport | None:
+              shard=None, ops: Any = None) -> QuantReport | None:
     """Allocate and fill `model` (on the meta device, `to_empty` not yet called) from the
     GGUF file, in `dtype` on `device`; with `keep_blocks` the block layers take the place of
-    the dense ones (their `ops` are the loader's to set). Returns what was kept in blocks."""
+    the dense ones (their `ops` are the loader's to set). `ops`: the compiled CPU ops, which
+    widen the block formats at load. Returns what was kept in blocks."""
     with GGUFFile(gguf_path) as gf:
         check_architecture(gf)
-        tensors = GGUFTensors(gf, config.num_heads, config.num_kv_heads, config.num_layers)
+        tensors = GGUFTensors(gf, config.num_heads, config.num_kv_heads, config.num_layers,
+                              ops=ops)
         sources: dict[str, list[str]] = {}
         if keep_blocks:
             tensors.meta = True

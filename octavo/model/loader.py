@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from octavo.config import ModelConfig
 from octavo.model.gguf_loader import load_gguf
-from octavo.model.kernels.cpu_ops import resolve_kernels, select_cpu_ops
+from octavo.model.kernels.cpu_ops import load_cpu_ops, resolve_kernels, select_cpu_ops
 from octavo.model.layers.decoder import RotaryEmbedding
 from octavo.model.layers.linear import pack_linears
 from octavo.model.models.llama import LlamaForCausalLM
@@ -49,10 +49,12 @@ def load_model(
     report = None
     if gguf is not None:
         report = load_gguf(model, config, gguf, dtype, device, quantization == "gguf",
-                           shards.shard if shards is not None else None)
+                           shards.shard if shards is not None else None,
+                           load_cpu_ops(isa) if device.type == "cpu" else None)
         if shards is not None:
             assert tp is not None
             parallelize(model, shards, tp)
+            model = model.to(dtype=dtype)  # what parallelize made (no block layers under TP)
     else:
         model = model.to_empty(device=device)
         tensors: dict[str, torch.Tensor] = {}

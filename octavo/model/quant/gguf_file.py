@@ -114,6 +114,11 @@ class GGUFFile:
             if item_type in _SCALARS:
                 pos += count * struct.calcsize(_SCALARS[item_type])
                 self._need(pos, 0)
+            elif item_type == _STRING:  # the tokenizer's: lengths only, nothing decoded
+                unpack, m = struct.unpack_from, self._map
+                for _ in range(count):
+                    pos += 8 + unpack("<Q", m, pos)[0]
+                self._need(pos, 0)
             else:
                 for _ in range(count):
                     pos = self._value(item_type, pos)[1]

@@ -24,10 +24,11 @@ from collections.abc import Collection
 from functools import cached_property
 from typing import Any
 
-import numpy as np
 import torch
 
+from octavo.model.quant.block_quant import dequantize
 from octavo.model.quant.gguf_file import GGUFFile
+from octavo.model.quant.gguf_weights import FORMATS, _planes
 
 # GGUF general.architecture -> the HF model_type octavo runs it as (transformers' own renames)
 ARCHITECTURES: dict[str, str] = {
@@ -69,8 +70,9 @@ class GGUFTensors:
     as a family's loader reads a checkpoint (`name in t`, `t[name]`)."""
 
     def __init__(self, gf: GGUFFile, num_heads: int, num_kv_heads: int, num_layers: int,
-                 meta: bool | Collection[str] = ()) -> None:
+                 meta: bool | Collection[str] = (), ops: Any = None) -> None:
         self.file = gf
+        self.ops = ops  # the compiled CPU ops: their block_dequantize widens the block formats
         self.arch = gf.architecture
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.num_layers = num_layers
@@ -147,10 +149,10 @@ class GGUFTensors:
             return torch.empty(self.shape(hf_name), device="meta")
         names = self._names(hf_name)
         parts = [self._processed(n) for n in names]
-        out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if "ffn_gate_inp_shexp" in names[0] and out.ndim == 1:
             out = out[None, :]
-        return torch.from_numpy(np.ascontiguousarray(out))
+        return out.contiguous()
 
     def _names(self, hf_name: str) -> list[str]:
         names = self.gguf_names(hf_name)
@@ -158,11 +160,27 @@ class GGUFTensors:
             raise KeyError(hf_name)
         return names
 
-    def _processed(self, gguf_name: str) -> np.ndarray:
-        w = self.file.dequantize(gguf_name)
+    def _processed(self, gguf_name: str) -> torch.Tensor:
+        w = _dequantize(self.file, gguf_name, self.ops)
         perm = self.rows_perm(gguf_name)
         if perm is not None:
-            w = w[perm.numpy()]
+            w = w[perm]
         if self._plus_one(gguf_name):
-            w = w - np.float32(1)
+            w = w - 1.0
         return w
+
+
+def _dequantize(gf: GGUFFile, name: str, ops: Any) -> torch.Tensor:
+    """A tensor in fp32: the block formats' planes widened by the compiled kernel (or torch;
+    the same numbers as gguf-py's, which the tests check, and several times faster), the other
+    types by gguf-py."""
+    info = gf.tensors[name]
+    if info.type_name in FORMATS and len(info.shape) == 2:
+        planes = _planes(info.type_name, gf.raw(name), info.rows, info.cols)
+        if planes is not None:
+            fmt, q, scale, mins = planes
+            if ops is not None:
+                return ops.block_dequantize(fmt.kind, q, scale, mins, fmt.group, 0, info.rows,
+                                            None)
+            return dequantize(fmt.kind, q, scale, mins, fmt.group)
+    return torch.from_numpy(gf.dequantize(name))
