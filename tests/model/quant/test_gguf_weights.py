@@ -1,11 +1,14 @@
-"""quantization="gguf" (model/quant/gguf_weights.py): a GGUF file's Q4_0 / Q4_1 / Q8_0 weights kept
-in their blocks. The key check: every block layer widens to exactly the fp32 weight the loader got
-by dequantizing the same file through transformers (rows unpermuted, q/k/v and gate/up
-concatenated), on the embedded default model (Q4_1, its LM head tied to a Q8_0 embedding) and
-on a tiny GGUF written here with Q4_0, Q4_1 and Q8_0 tensors; then the engine on both, the
-errors, and the block parsing against GGUF's formulas on hand-made bytes."""
+"""quantization="gguf" (model/quant/gguf_weights.py, model/gguf_loader.py): a GGUF file's Q4_0 /
+Q4_1 / Q8_0 weights kept in their blocks, the model filled straight from the file. The key
+check: every block layer widens to exactly the fp32 weight transformers reads from the same
+file (rows unpermuted, q/k/v and gate/up concatenated), on the embedded default model (Q4_1,
+its LM head tied to a Q8_0 embedding) and on a tiny GGUF written here with Q4_0, Q4_1 and Q8_0
+tensors, and the tensors kept in blocks are never widened at load; then the engine on both,
+the errors, and the block parsing against GGUF's formulas on hand-made bytes."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -15,15 +18,13 @@ from torch import nn
 from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
 from octavo.model import sources
+from octavo.model.hf_reference import hf_reference_dir
 from octavo.model.kernels.cpu_ops import load_cpu_ops
+from octavo.model.quant import gguf_tensors
 from octavo.model.quant.block_quant import INT4, INT8, BlockQuantLinear, dequantize
-from octavo.model.quant.gguf_weights import (
-    FORMATS,
-    GGUFBlocks,
-    _planes,
-    _unpermute_rows,
-    apply_gguf_blocks,
-)
+from octavo.model.quant.gguf_file import GGUFFile
+from octavo.model.quant.gguf_tensors import check_architecture, unpermute_rows
+from octavo.model.quant.gguf_weights import FORMATS, _planes
 from octavo.model.quant.quantization import weight_bytes
 from octavo.model.sources import find_embedded_gguf, gguf_source
 from octavo.model.worker.runner import load_model
@@ -32,13 +33,20 @@ PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "ml
 
 
 def hf_weight(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The fp32 weight of one octavo linear layer from the converted HF tensors."""
+    """The fp32 weight of one octavo linear layer from transformers' tensors."""
     if name == "lm_head":
         return state.get("lm_head.weight", state["model.embed_tokens.weight"])
     prefix = "model." + name.rsplit(".", 1)[0] + "."
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     sources = parts.get(name.rsplit(".", 1)[1], (name.rsplit(".", 1)[1],))
     return torch.cat([state[f"{prefix}{s}.weight"] for s in sources])
+
+
+def reference_state(model) -> dict[str, torch.Tensor]:
+    """transformers' fp32 reading of the model's GGUF file."""
+    from safetensors.torch import load_file
+
+    return load_file(str(hf_reference_dir(model) / "model.safetensors"))
 
 
 def load_fp32(model_dir, quantization=None):
@@ -51,22 +59,30 @@ def load_fp32(model_dir, quantization=None):
 # ---- the embedded default model ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def default_blocks(default_model_dir):
-    model, config = load_fp32(default_model_dir)
-    before = weight_bytes(model)
-    report = apply_gguf_blocks(model, config, find_embedded_gguf())
-    return model, config, report, before
+def default_blocks():
+    """The default model loaded in blocks, and the GGUF tensors the loader widened to fp32."""
+    widened: list[str] = []
+    processed = gguf_tensors.GGUFTensors._processed
+
+    def recording(self, name):
+        widened.append(name)
+        return processed(self, name)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_tensors.GGUFTensors, "_processed", recording)
+        model, config = load_fp32(sources.resolve_model_dir(None), quantization="gguf")
+    return model, config, model.quant_report, widened
 
 
 def test_default_model_layers_become_gguf_blocks(default_blocks):
-    model, config, report, before = default_blocks
+    model, config, report, widened = default_blocks
     for i, layer in enumerate(model.layers):
         for path in PROJECTIONS:
             got = layer.get_submodule(path)
             assert type(got) is BlockQuantLinear, (i, path)
             assert got.fmt == FORMATS["Q4_1"][0] and got.fmt.name == "q4_1"
             assert (got.fmt.kind, got.fmt.group, got.fmt.int8_activations) == (INT4, 32, True)
-            assert got.ops is None  # apply_gguf_blocks(ops=None): the torch fallback
+            assert got.ops is None  # fused_ops="torch": the torch fallback
     head = model.lm_head
     assert type(head) is BlockQuantLinear and head.fmt.name == "q8_0"
     assert (head.fmt.kind, head.fmt.group) == (INT8, 32) and head.mins is None
@@ -79,18 +95,22 @@ def test_default_model_layers_become_gguf_blocks(default_blocks):
     head_weights = head.in_features * head.out_features
     assert report.bytes_after == (weights - head_weights) // 32 * 20 + head_weights // 32 * 34
     assert report.bytes_before == weights * 4
-    assert report.saved_bytes > 0
-    assert weight_bytes(model) == before - report.saved_bytes
+    # in memory: the blocks, the fp32 embedding and the norms (and the RoPE tables), no more
+    dense = sum(p.numel() * 4 for p in model.parameters())
+    rope = sum(b.numel() * 4 for b in model.rotary.buffers())
+    assert weight_bytes(model) == dense + report.bytes_after + rope
+    assert dense == (config.vocab_size + (2 * config.num_layers + 1)) * config.hidden_size * 4
+    # the loader widened only the embedding and the norms: no projection's tensor
+    assert sorted(widened) == sorted(["token_embd.weight", "output_norm.weight"] + [
+        f"blk.{i}.{n}.weight" for i in range(config.num_layers)
+        for n in ("attn_norm", "ffn_norm")])
 
 
-def test_default_model_blocks_widen_to_the_loaders_weights_exactly(default_blocks,
-                                                                   default_model_dir):
-    """Bit for bit: transformers dequantized this very file into model.safetensors (q and k
-    with GGUF's rope permutation undone); the tied LM head is the Q8_0 embedding."""
-    from safetensors.torch import load_file
-
+def test_default_model_blocks_widen_to_transformers_weights_exactly(default_blocks):
+    """Bit for bit: transformers' reading of this very file (q and k with GGUF's rope
+    permutation undone); the tied LM head is the Q8_0 embedding."""
     model, config, _, _ = default_blocks
-    state = load_file(str(default_model_dir / "model.safetensors"))
+    state = reference_state(None)
     assert config.tie_word_embeddings and "lm_head.weight" not in state
     checked = 0
     for name, module in model.named_modules():
@@ -101,6 +121,7 @@ def test_default_model_blocks_widen_to_the_loaders_weights_exactly(default_block
             assert torch.equal(got, want), (name, (got - want).abs().max())
             checked += 1
     assert checked == 4 * config.num_layers + 1
+    assert torch.equal(model.embed_tokens.weight, state["model.embed_tokens.weight"])
 
 
 def test_default_model_gguf_layers_compute_like_the_fp32_ones(default_blocks):
@@ -159,9 +180,11 @@ def test_engine_gguf_on_the_default_model():
 
 # ---- gguf_source and the errors ----------------------------------------------------------------
 
-def test_gguf_source_maps_the_default_model_to_the_embedded_file(default_model_dir):
-    assert gguf_source(default_model_dir) == find_embedded_gguf()
-    assert default_model_dir == sources.default_model_dir()  # the fixture's is the one
+def test_gguf_source_of_the_default_model_is_the_embedded_file():
+    model_dir = sources.resolve_model_dir(None)
+    assert model_dir == sources.default_model_dir()
+    assert gguf_source(model_dir) == find_embedded_gguf()
+    assert not (model_dir / "model.safetensors").exists()  # config and tokenizer only
 
 
 def test_gguf_source_errors(tmp_path, tiny_llama_dir):
@@ -171,12 +194,12 @@ def test_gguf_source_errors(tmp_path, tiny_llama_dir):
     with pytest.raises(ValueError, match="needs a model given as a GGUF file.*is an HF "
                                          "directory"):
         gguf_source(hf)
-    (hf / sources.GGUF_SOURCE_FILE).write_text(str(tmp_path / "gone.gguf"))
-    with pytest.raises(ValueError, match="gone.gguf' this model was converted from is gone"):
+    (hf / sources.GGUF_RECORD).write_text(json.dumps({"gguf": str(tmp_path / "gone.gguf")}))
+    with pytest.raises(ValueError, match="gone.gguf' the model .* was made from is gone"):
         gguf_source(hf)
     real = tmp_path / "real.gguf"
     real.write_bytes(b"GGUF")
-    (hf / sources.GGUF_SOURCE_FILE).write_text(str(real) + "\n")
+    (hf / sources.GGUF_RECORD).write_text(json.dumps({"gguf": str(real)}))
     assert gguf_source(hf) == real
     with pytest.raises(ValueError, match="quantization='gguf' needs a model given as a GGUF"):
         LLM(str(tiny_llama_dir), quantization="gguf", num_kv_blocks=16)
@@ -229,17 +252,16 @@ def quant_gguf(tiny_llama_dir, tmp_path_factory):
     return path
 
 
-def test_tiny_gguf_blocks_widen_to_the_loaders_weights_exactly(quant_gguf):
+def test_tiny_gguf_blocks_widen_to_transformers_weights_exactly(quant_gguf):
     """Q4_0 (q, k with 4 and 2 heads: the unpermutation), Q4_1 and Q8_0, an untied LM head,
-    and a fused layer whose parts differ in format (left to the loader's fp32 weight)."""
-    from safetensors.torch import load_file
-
-    hf_dir = sources.resolve_model_dir(str(quant_gguf))
-    assert gguf_source(hf_dir) == quant_gguf.resolve()
-    types = {t.name: t.tensor_type.name for t in GGUFBlocks(quant_gguf).tensors.values()}
+    and a fused layer whose parts differ in format (left dense, dequantized at load)."""
+    model_dir = sources.resolve_model_dir(str(quant_gguf))
+    assert gguf_source(model_dir) == quant_gguf.resolve()
+    with GGUFFile(quant_gguf) as gf:
+        types = {t.name: t.type_name for t in gf.tensors.values()}
     assert types["blk.0.attn_q.weight"] == "Q4_0" and types["output.weight"] == "Q8_0"
-    model, config = load_fp32(hf_dir, quantization="gguf")
-    state = load_file(str(hf_dir / "model.safetensors"))
+    model, config = load_fp32(model_dir, quantization="gguf")
+    state = reference_state(str(quant_gguf))
     assert not config.tie_word_embeddings
     formats = {}
     for name, module in model.named_modules():
@@ -282,14 +304,39 @@ def test_engine_gguf_on_a_tiny_gguf(quant_gguf):
 
 
 def test_gguf_without_block_tensors_or_of_another_architecture(tiny_llama_dir, tmp_path):
+    """An F32 file: nothing to keep in blocks, so quantization='gguf' (asked for, or the
+    default) runs it dequantized and says so; an architecture octavo lacks is named."""
     from tests.model.test_gguf_models import write_header_only_gguf, write_llama_gguf
 
     f32 = write_llama_gguf(tiny_llama_dir, tmp_path / "f32.gguf")
-    with pytest.raises(ValueError, match="has no Q4_0, Q4_1 or Q8_0 linear weights"):
-        LLM(str(f32), quantization="gguf", num_kv_blocks=16)
-    other = write_header_only_gguf(tmp_path / "gemma.gguf", "gemma3")
-    with pytest.raises(ValueError, match="architecture 'llama'.*is 'gemma3'"):
-        GGUFBlocks(other)
+    llm = LLM(str(f32), quantization="gguf", num_kv_blocks=16)
+    report = llm.engine.executor.runner.model.quant_report
+    assert report.method == "gguf" and report.layers == 0 and report.saved_bytes == 0
+    assert not any(isinstance(m, BlockQuantLinear)
+                   for m in llm.engine.executor.runner.model.modules())
+    other = write_header_only_gguf(tmp_path / "bert.gguf", "bert")
+    with GGUFFile(other) as gf, pytest.raises(ValueError, match="architecture 'bert'; octavo "
+                                                               "runs .*llama, qwen2, qwen2moe"):
+        check_architecture(gf)
+
+
+def test_compiled_widening_is_gguf_pys(default_blocks):
+    """The loader widens Q4_0 / Q4_1 / Q8_0 with the compiled kernel where it runs: the same
+    fp32 numbers as gguf-py's dequantization (transformers')."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip("octavo's CPU ops do not build here")
+    with GGUFFile(find_embedded_gguf()) as gf:
+        for name in ("blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"):
+            info = gf.tensors[name]
+            raw = gf.raw(name)
+            want = gguf.quants.dequantize(raw, GGMLQuantizationType(info.type_id))
+            got = gguf_tensors._dequantize(gf, name, ops)
+            assert torch.equal(got, torch.from_numpy(want.astype(np.float32))), name
+            assert torch.equal(gguf_tensors._dequantize(gf, name, None), got), name
 
 
 # ---- the block parsing on hand-made bytes ------------------------------------------------------
@@ -403,7 +450,7 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows, heads", [(576, 9), (192, 3), (64, 4), (32, 2), (8, 1)])
 def test_unpermute_rows_is_transformers_reverse_permutation(rows, heads):
-    perm = _unpermute_rows(rows, heads)
+    perm = unpermute_rows(rows, heads)
     assert sorted(perm.tolist()) == list(range(rows))
     w = torch.arange(rows * 3).reshape(rows, 3)
     assert torch.equal(w[perm], transformers_reverse_permute(w, heads))
