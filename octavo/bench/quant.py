@@ -65,16 +65,17 @@ FIXED_TEXT = (
 GREEDY_TOKENS = 200
 
 
-def _logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
+def sequence_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """[len(tokens), vocab] fp32 logits at every position (position t predicts token t+1),
     from one prefill of the whole sequence through the engine's runner."""
     runner = llm.engine.executor.runner
     assert runner is not None
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    bs = runner.block_size
-    table = list(range(-(-len(tokens) // bs)))
+    n = -(-len(tokens) // runner.block_size)
+    # one block table per KV cache group (local and global layers), on distinct blocks
+    tables = [list(range(g * n, (g + 1) * n)) for g in range(len(runner.batch.windows))]
     plan = StepPlan([SeqChunk(0, list(tokens), 0, (), True)],
-                    [NewSeq(0, list(tokens), len(tokens), 0, params, table)])
+                    [NewSeq(0, list(tokens), len(tokens), 0, params, tables[0], tables[1:])])
     logits = runner.forward(plan).prompt[0].float()
     runner.forward(StepPlan([], [], finished_seq_ids=[0]))
     return logits
@@ -91,13 +92,13 @@ def quality(base: LLM, quant: LLM, tokenizer) -> dict[str, Any]:
     agree, prefixes = [], []
     for p, r, f in zip(prompts, ref, free, strict=True):
         seq = p + r
-        top1 = _logits(quant, seq)[len(p) - 1 : len(seq) - 1].argmax(-1)
+        top1 = sequence_logits(quant, seq)[len(p) - 1 : len(seq) - 1].argmax(-1)
         agree.append((top1 == torch.tensor(r)).float().mean().item())
         prefixes.append(next((i for i, (a, b) in enumerate(zip(r, f, strict=True)) if a != b),
                              len(r)))
     text = tokenizer.encode(FIXED_TEXT)
-    p_log = _logits(base, text).log_softmax(-1)
-    q_log = _logits(quant, text).log_softmax(-1)
+    p_log = sequence_logits(base, text).log_softmax(-1)
+    q_log = sequence_logits(quant, text).log_softmax(-1)
     kl = (p_log.exp() * (p_log - q_log)).sum(-1)
     return {"teacher_forced_top1_agreement": sum(agree) / len(agree),
             "per_prompt_agreement": [round(a, 3) for a in agree],

@@ -38,8 +38,16 @@ def describe_gguf(path: Path, quantization: str | None) -> dict[str, str]:
     else:
         quant = "none (dequantized)"
     return {"family": ARCHITECTURES.get(arch, arch),
-            "size": f"{path.stat().st_size / 2**30:.2f} GiB, {params / 1e9:.2f}B params",
+            "size": f"{_bytes(path.stat().st_size)}, {_count(params)} params",
             "format": f"GGUF {kind}", "quantization": quant}
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
 def _numel(shape: tuple[int, ...]) -> int:
