@@ -22,10 +22,10 @@ class HFGenerate:
     def __init__(self, model: str | None, dtype: str, batch_size: int = 64) -> None:
         from transformers import AutoModelForCausalLM
 
-        from octavo.model.sources import resolve_model_dir
+        from octavo.model.hf_reference import hf_reference_dir
 
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(resolve_model_dir(model)), dtype=DTYPES[dtype]
+            str(hf_reference_dir(model)), dtype=DTYPES[dtype]
         ).eval()
         gc = self.model.generation_config
         gc.eos_token_id = None  # forced lengths: nothing may stop a row early

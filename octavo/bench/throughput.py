@@ -118,10 +118,11 @@ def interleaved(engines: dict[str, Any], wls: list[workloads.Workload], repeats:
 def peer_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload],
               repeats: int, label: str) -> list[dict]:
     from octavo.bench.peers.run import run_vllm_offline
-    from octavo.model.sources import resolve_model_dir
+    from octavo.model.hf_reference import hf_reference_dir
 
     gib = KV_TOKENS * kv_bytes_per_token(opts.model, dtype) / (1 << 30)
-    res = run_vllm_offline(opts.peer_python or "python", model_dir=str(resolve_model_dir(
+    # the peer reads an HF directory: a GGUF model's is transformers' fp32 reading of it
+    res = run_vllm_offline(opts.peer_python or "python", model_dir=str(hf_reference_dir(
         opts.model)), dtype=dtype, workloads=wls, repeats=repeats,
         max_model_len=MAX_MODEL_LEN, kv_cache_gib=max(1, round(gib)), threads=opts.threads)
     rows = []

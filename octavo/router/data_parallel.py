@@ -163,7 +163,7 @@ def serve_data_parallel(ns: argparse.Namespace) -> int:
         raise ValueError(f"--data-parallel-size must be >= 1, got {n}")
     engine_args.from_cli_args(ns)  # a bad engine flag fails here, before any process starts
     server = server_config(ns)
-    resolve_model_dir(ns.model)  # a GGUF is converted once, here, not by N replicas at once
+    resolve_model_dir(ns.model)  # a GGUF's config is written once, here, not by N replicas
     replicas = start_replicas(ns, n)
     try:
         config = RouterConfig(
