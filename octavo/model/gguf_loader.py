@@ -67,6 +67,11 @@ def load_gguf(model: LlamaForCausalLM, config: ModelConfig, gguf_path: Path,
         model.to_empty(device=device)
         model.shard = shard
         model.load_hf_state_dict(tensors, skip=skip)
+    quantized = {k: v for k, v in tensors.widened.items() if k not in ("F32", "F16", "BF16")}
+    if quantized:  # the types no block layer runs (yet), or asked for with quantization=None
+        logger.info("%s: dequantized to %s at load: %s", gguf_path.name,
+                    str(dtype).removeprefix("torch."),
+                    ", ".join(f"{k} x{v}" for k, v in sorted(quantized.items())))
     return _swap_in(model, layers, dtype, gguf_path) if keep_blocks else None
 
 

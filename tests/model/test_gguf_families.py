@@ -86,3 +86,38 @@ def test_gguf_blocks_agree_with_transformers(family) -> None:
             total += 1
     assert agree >= 0.95 * total, (name, agree, total)
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_embedding_in_blocks_shares_the_tied_heads(tmp_path, monkeypatch) -> None:
+    """Where block layers can widen single rows (`dequantize_rows`), a Q8_0 token embedding
+    stays in its blocks and the tied LM head is the same layer: the same tokens as with the
+    embedding widened at load, one copy of the table fewer in memory. Until the kernels give
+    block layers `dequantize_rows` this runs on a reference one (the rows of the widened
+    table, which is what the lookup must return)."""
+    from octavo.model.quant.block_quant import BlockQuantLinear
+    from octavo.model.quant.gguf_weights import BlockEmbedding
+
+    path = write_gguf(build_hf("qwen2"), "qwen2", tmp_path / "qwen2.gguf")  # tied, Q8_0 table
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def run() -> tuple[list[list[int]], object, int]:
+        llm = LLM(model=str(path), num_kv_blocks=64)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return ([o.outputs[0].token_ids for o in outs], llm.engine.executor.runner.model,
+                llm.stats()["weights_bytes"])
+
+    if not hasattr(BlockQuantLinear, "dequantize_rows"):
+        want, dense_model, dense_bytes = run()
+        assert type(dense_model.embed_tokens) is torch.nn.Embedding
+        monkeypatch.setattr(BlockQuantLinear, "dequantize_rows",
+                            lambda self, rows: self.dequantized_weight()[rows], raising=False)
+    else:
+        want = dense_bytes = None
+    got, model, got_bytes = run()
+    assert type(model.embed_tokens) is BlockEmbedding
+    assert model.embed_tokens.table is model.lm_head and model.lm_head.fmt.name == "q8_0"
+    if want is not None:
+        assert got == want
+        table = model.lm_head.out_features * model.lm_head.in_features * 4
+        assert got_bytes == dense_bytes - table

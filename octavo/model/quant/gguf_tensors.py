@@ -20,6 +20,7 @@ the tensors only block layers use (gguf_weights.py).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Collection
 from functools import cached_property
 from typing import Any
@@ -73,6 +74,7 @@ class GGUFTensors:
                  meta: bool | Collection[str] = (), ops: Any = None) -> None:
         self.file = gf
         self.ops = ops  # the compiled CPU ops: their block_dequantize widens the block formats
+        self.widened: Counter[str] = Counter()  # GGML type -> tensors read as floats
         self.arch = gf.architecture
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.num_layers = num_layers
@@ -161,6 +163,7 @@ class GGUFTensors:
         return names
 
     def _processed(self, gguf_name: str) -> torch.Tensor:
+        self.widened[self.file.tensors[gguf_name].type_name] += 1
         w = _dequantize(self.file, gguf_name, self.ops)
         perm = self.rows_perm(gguf_name)
         if perm is not None:
