@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from octavo.envs import cache_dir
 from tests.model.real_references import FIXTURES, fixture_path, load_fixture
 
 NEW_TOKENS = 64
@@ -112,10 +113,17 @@ def hf_references(model: str, gguf: Path, model_dir: Path) -> dict[str, np.ndarr
                                               dtype=torch.float32).eval()
     print(f"{model}: transformers read {gguf.name} in {time.perf_counter() - t0:.0f}s",
           flush=True)
-    tokens, top_ids, top_lps = [], [], []
+    # each prompt's result is kept as it comes, so that a run killed half way resumes
+    partial = cache_dir() / "references" / f"{model}.partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    done = json.loads(partial.read_text()) if partial.is_file() else {}
+    if done.get("prompts") != prompts:
+        done = {"prompts": prompts, "results": []}
     for i, p in enumerate(prompts):
+        if i < len(done["results"]):
+            continue
         ids = torch.tensor([p])
-        with torch.no_grad():
+        with torch.inference_mode():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0,
                               return_dict_in_generate=True, output_logits=True)
@@ -124,10 +132,14 @@ def hf_references(model: str, gguf: Path, model_dir: Path) -> dict[str, np.ndarr
         logprobs = torch.cat(out.logits).float().log_softmax(-1)  # [64, vocab]
         values, indices = logprobs.topk(TOP_K, dim=-1)
         assert indices[:, 0].tolist() == gen  # greedy: each token is its step's top 1
-        tokens.append(gen)
-        top_ids.append(indices.numpy().astype(np.int32))
-        top_lps.append(values.numpy().astype(np.float16))
+        done["results"].append({"tokens": gen, "top_ids": indices.tolist(),
+                                "top_logprobs": values.tolist()})
+        partial.write_text(json.dumps(done))
         print(f"  prompt {i + 1}/{len(prompts)}: {tok.decode(gen)[:60]!r}", flush=True)
+    results = done["results"]
+    tokens = [r["tokens"] for r in results]
+    top_ids = [np.array(r["top_ids"], np.int32) for r in results]
+    top_lps = [np.array(r["top_logprobs"], np.float32).astype(np.float16) for r in results]
     meta = {"model": model, "gguf": gguf.name, "new_tokens": NEW_TOKENS, "top_k": TOP_K,
             "plain": plain, "chats": chats, "transformers": transformers.__version__,
             "gguf_py": getattr(gguf_py, "__version__", "?"), "torch": torch.__version__}
