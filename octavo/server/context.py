@@ -55,7 +55,7 @@ class ServerConfig:
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
-    # tools and reasoning (server/tools.py, server/chat_output.py)
+    # tools and reasoning (server/chat/tools.py, server/chat/output.py)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None

@@ -1,8 +1,8 @@
 """The request and response pieces of structured outputs and tool calling (OpenAI's shapes,
 plus vLLM's `structured_outputs` field and its older `guided_*` fields).
 
-Shapes only: what a constraint or a tool means is decided in server/structured.py and
-server/tools.py.
+Shapes only: what a constraint or a tool means is decided in server/chat/structured.py and
+server/chat/tools.py.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from octavo.engine.async_engine import RequestStream
 from octavo.outputs import CompletionOutput, RequestOutput
+from octavo.server.chat.structured import structured_outputs_of
 from octavo.server.context import ServerContext
 from octavo.server.errors import bad_request
 from octavo.server.logprobs import completion_logprobs
@@ -44,7 +45,6 @@ from octavo.server.serving_common import (
     to_sampling_params,
     usage,
 )
-from octavo.server.structured import structured_outputs_of
 
 
 @dataclass(slots=True)

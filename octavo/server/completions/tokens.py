@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from octavo.server.chat.serving import messages_to_dicts
 from octavo.server.context import ServerContext
 from octavo.server.protocol import (
     DetokenizeRequest,
@@ -10,7 +11,6 @@ from octavo.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from octavo.server.serving_chat import messages_to_dicts
 
 
 async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> TokenizeResponse:

@@ -1,7 +1,7 @@
 """Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) as pydantic models.
 
 Requests follow protocol.py's rules (strict types, finite numbers, valid Unicode, unknown fields
-ignored) so the same body mistakes get the same answers; server/serving_messages.py translates
+ignored) so the same body mistakes get the same answers; server/anthropic/serving.py translates
 them into chat completions. Content a text model cannot take (images, documents) is accepted
 here and refused there with a message saying so, rather than as an unknown block type.
 """

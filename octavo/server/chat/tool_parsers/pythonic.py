@@ -14,10 +14,10 @@ import ast
 import re
 from collections.abc import Iterator
 
-from octavo.server.tool_parsers.base import ToolParser
-from octavo.server.tool_parsers.calls import dump_arguments
-from octavo.server.tool_parsers.prompting import tools_as_json_lines
-from octavo.server.tool_parsers.scanning import ParsedCall, Scanner, Step, skip_ws
+from octavo.server.chat.tool_parsers.base import ToolParser
+from octavo.server.chat.tool_parsers.calls import dump_arguments
+from octavo.server.chat.tool_parsers.prompting import tools_as_json_lines
+from octavo.server.chat.tool_parsers.scanning import ParsedCall, Scanner, Step, skip_ws
 
 START_TAG = "<|python_start|>"
 END_TAG = "<|python_end|>"

@@ -26,10 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
-from octavo.server.context import ServerContext
-from octavo.server.errors import OpenAIError, bad_request, validation_message
-from octavo.server.protocol import ChatCompletionRequest, ChatCompletionResponse, DeltaMessage
-from octavo.server.protocol_anthropic import (
+from octavo.server.anthropic.protocol import (
     AnthropicErrorResponse,
     ContentBlock,
     CountTokensRequest,
@@ -48,7 +45,10 @@ from octavo.server.protocol_anthropic import (
     ToolUseBlock,
     ToolUseBlockParam,
 )
-from octavo.server.serving_chat import ChatRun, render_chat_prompt, start_chat
+from octavo.server.chat.serving import ChatRun, render_chat_prompt, start_chat
+from octavo.server.context import ServerContext
+from octavo.server.errors import OpenAIError, bad_request, validation_message
+from octavo.server.protocol import ChatCompletionRequest, ChatCompletionResponse, DeltaMessage
 from octavo.server.serving_common import (
     ENGINE_ERRORS,
     SSEResponse,

@@ -14,6 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
+from octavo.server.anthropic.serving import BlockEvents, stop_reason, to_message
 from octavo.server.protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -27,7 +28,6 @@ from octavo.server.protocol_agent import (
     FunctionCallOut,
     ToolCallOut,
 )
-from octavo.server.serving_messages import BlockEvents, stop_reason, to_message
 from tests.server.conftest import API_KEY, RunningServer, start_server, stop_server
 
 MODEL = "smollm2"

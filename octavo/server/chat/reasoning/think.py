@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from octavo.server.reasoning.base import (
+from octavo.server.chat.reasoning.base import (
     Pair,
     ReasoningParser,
     ReasoningStream,

@@ -22,7 +22,17 @@ from fastapi.responses import JSONResponse, Response
 
 from octavo.engine.async_engine import RequestStream
 from octavo.outputs import CompletionOutput, RequestOutput
-from octavo.server.chat_output import ChoiceStream, final_message
+from octavo.server.chat.output import ChoiceStream, final_message
+from octavo.server.chat.reasoning import ReasoningParser, get_reasoning_parser
+from octavo.server.chat.structured import structured_outputs_of
+from octavo.server.chat.tools import (
+    ToolPlan,
+    check_tool_messages,
+    plan_tools,
+    template_messages,
+    template_renders_tools,
+    with_tool_prompt,
+)
 from octavo.server.context import ServerContext
 from octavo.server.errors import bad_request
 from octavo.server.logprobs import chat_logprobs
@@ -37,7 +47,6 @@ from octavo.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from octavo.server.reasoning import ReasoningParser, get_reasoning_parser
 from octavo.server.serving_common import (
     ENGINE_ERRORS,
     SSE_DONE,
@@ -54,15 +63,6 @@ from octavo.server.serving_common import (
     start_requests,
     to_sampling_params,
     usage,
-)
-from octavo.server.structured import structured_outputs_of
-from octavo.server.tools import (
-    ToolPlan,
-    check_tool_messages,
-    plan_tools,
-    template_messages,
-    template_renders_tools,
-    with_tool_prompt,
 )
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from octavo.server.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
+from octavo.server.chat.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
 
 Case = tuple[str, str | None, str | None]  # text, reasoning, content
 

@@ -9,10 +9,10 @@ call. Calls are read in sequence; from the first text that does not continue it 
 
 from __future__ import annotations
 
-from octavo.server.tool_parsers.base import ToolParser
-from octavo.server.tool_parsers.calls import JsonDecodeCache, call_from_object
-from octavo.server.tool_parsers.prompting import tools_as_json_lines
-from octavo.server.tool_parsers.scanning import (
+from octavo.server.chat.tool_parsers.base import ToolParser
+from octavo.server.chat.tool_parsers.calls import JsonDecodeCache, call_from_object
+from octavo.server.chat.tool_parsers.prompting import tools_as_json_lines
+from octavo.server.chat.tool_parsers.scanning import (
     ParsedCall,
     Scanner,
     Step,

@@ -6,7 +6,7 @@ see base.py for the shared semantics. Pure Python: no torch, no tokenizer.
 
 from __future__ import annotations
 
-from octavo.server.tool_parsers.base import (
+from octavo.server.chat.tool_parsers.base import (
     DeltaResult,
     ExtractedToolCalls,
     ToolCall,
@@ -14,10 +14,10 @@ from octavo.server.tool_parsers.base import (
     ToolCallStream,
     ToolParser,
 )
-from octavo.server.tool_parsers.hermes import HermesToolParser
-from octavo.server.tool_parsers.llama3_json import Llama3JsonToolParser
-from octavo.server.tool_parsers.mistral import MistralToolParser
-from octavo.server.tool_parsers.pythonic import PythonicToolParser
+from octavo.server.chat.tool_parsers.hermes import HermesToolParser
+from octavo.server.chat.tool_parsers.llama3_json import Llama3JsonToolParser
+from octavo.server.chat.tool_parsers.mistral import MistralToolParser
+from octavo.server.chat.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from octavo.server.chat.reasoning import ReasoningParser
+from octavo.server.chat.tool_parsers.base import ToolCall, ToolCallDelta
+from octavo.server.chat.tools import ToolPlan, forced_calls
 from octavo.server.protocol import ChatResponseMessage, DeltaMessage
 from octavo.server.protocol_agent import (
     DeltaFunctionCall,
@@ -19,9 +22,6 @@ from octavo.server.protocol_agent import (
     FunctionCallOut,
     ToolCallOut,
 )
-from octavo.server.reasoning import ReasoningParser
-from octavo.server.tool_parsers.base import ToolCall, ToolCallDelta
-from octavo.server.tools import ToolPlan, forced_calls
 
 
 def tool_call_out(call: ToolCall) -> ToolCallOut:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Collection
 from typing import Any
 
-from octavo.server.tool_parsers.scanning import ParsedCall
+from octavo.server.chat.tool_parsers.scanning import ParsedCall
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from uuid import uuid4
 
+from octavo.server.chat.tool_parsers.scanning import ParsedCall, Scanner
 from octavo.server.stream_trim import StripTrimmer
-from octavo.server.tool_parsers.scanning import ParsedCall, Scanner
 
 
 def default_call_id() -> str:

@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from octavo.server.protocol import ChatCompletionChunk, ChatResponseMessage, UsageInfo
-from octavo.server.protocol_responses import ResponseObject, ResponseUsage
+from octavo.server.responses.protocol import ResponseObject, ResponseUsage
 
 
 def new_id(prefix: str) -> str:

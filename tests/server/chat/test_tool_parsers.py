@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from octavo.server.tool_parsers import TOOL_PARSERS, ToolCallDelta, ToolParser, get_tool_parser
+from octavo.server.chat.tool_parsers import TOOL_PARSERS, ToolCallDelta, ToolParser, get_tool_parser
 
 Expected = tuple[str, list[tuple[str, dict]], str | None]  # text, calls, content
 

@@ -9,10 +9,10 @@ rest of the output is exactly one call object.
 
 from __future__ import annotations
 
-from octavo.server.tool_parsers.base import ToolParser
-from octavo.server.tool_parsers.calls import call_from_object, decode_json
-from octavo.server.tool_parsers.prompting import tools_as_json_lines
-from octavo.server.tool_parsers.scanning import ParsedCall, Scanner, Step, text_until_marker
+from octavo.server.chat.tool_parsers.base import ToolParser
+from octavo.server.chat.tool_parsers.calls import call_from_object, decode_json
+from octavo.server.chat.tool_parsers.prompting import tools_as_json_lines
+from octavo.server.chat.tool_parsers.scanning import ParsedCall, Scanner, Step, text_until_marker
 
 START = "<tool_call>"
 END = "</tool_call>"

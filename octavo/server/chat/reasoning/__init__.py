@@ -6,8 +6,8 @@ the shared whitespace rules and think.py for the formats. Pure Python: no torch,
 
 from __future__ import annotations
 
-from octavo.server.reasoning.base import ReasoningParser, ReasoningStream
-from octavo.server.reasoning.think import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from octavo.server.chat.reasoning.base import ReasoningParser, ReasoningStream
+from octavo.server.chat.reasoning.think import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)

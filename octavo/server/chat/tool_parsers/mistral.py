@@ -13,10 +13,10 @@ import secrets
 import string
 from typing import Any
 
-from octavo.server.tool_parsers.base import ToolParser
-from octavo.server.tool_parsers.calls import JsonDecodeCache, call_from_object, dump_arguments
-from octavo.server.tool_parsers.prompting import tools_as_json_lines
-from octavo.server.tool_parsers.scanning import (
+from octavo.server.chat.tool_parsers.base import ToolParser
+from octavo.server.chat.tool_parsers.calls import JsonDecodeCache, call_from_object, dump_arguments
+from octavo.server.chat.tool_parsers.prompting import tools_as_json_lines
+from octavo.server.chat.tool_parsers.scanning import (
     ParsedCall,
     Scanner,
     Step,

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from octavo.server.chat.serving import ChatRun, start_chat
 from octavo.server.context import ServerContext
 from octavo.server.errors import OpenAIError, bad_request
 from octavo.server.protocol import (
@@ -28,7 +29,8 @@ from octavo.server.protocol import (
     ChatResponseMessage,
     ErrorResponse,
 )
-from octavo.server.protocol_responses import (
+from octavo.server.responses.events import ResponseEvents, new_id, stream_message
+from octavo.server.responses.protocol import (
     DeletedResponse,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -38,9 +40,7 @@ from octavo.server.protocol_responses import (
     ResponsesRequest,
     TextPart,
 )
-from octavo.server.response_events import ResponseEvents, new_id, stream_message
-from octavo.server.response_store import StoredResponse, store_of
-from octavo.server.serving_chat import ChatRun, start_chat
+from octavo.server.responses.store import StoredResponse, store_of
 from octavo.server.serving_common import ENGINE_ERRORS, SSEResponse, client_closed, sse
 
 # chat's parameter names -> the Responses API's, in the errors of the chat layer

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from octavo.sampling_params import StructuredOutputsParams
+from octavo.server.chat.tool_parsers import ToolParser, get_tool_parser
+from octavo.server.chat.tool_parsers.base import ToolCall
 from octavo.server.errors import bad_request
 from octavo.server.protocol import ChatCompletionRequest, ChatMessage
 from octavo.server.protocol_agent import NamedToolChoice
-from octavo.server.tool_parsers import ToolParser, get_tool_parser
-from octavo.server.tool_parsers.base import ToolCall
 
 ToolMode = Literal["none", "auto", "required", "named"]
 # a tool without `parameters` takes none (OpenAI's reading): its arguments are {}

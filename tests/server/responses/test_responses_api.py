@@ -28,8 +28,8 @@ from octavo.server.protocol_agent import (
     FunctionCallOut,
     ToolCallOut,
 )
-from octavo.server.response_events import ResponseEvents
-from octavo.server.response_store import ResponseStore, StoredResponse
+from octavo.server.responses.events import ResponseEvents
+from octavo.server.responses.store import ResponseStore, StoredResponse
 from tests.server.conftest import RunningServer, start_server, stop_server
 
 MODEL = "smollm2"
