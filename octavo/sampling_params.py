@@ -8,6 +8,7 @@ and it imports nothing of octavo.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,17 @@ class StructuredOutputsParams:
         return "json_object"
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names): CUMULATIVE, the whole text
+    and token list so far (the default, what `LLM.generate` returns); DELTA, only what is new
+    since the request's previous output (a streaming server: no step copies a stream's earlier
+    tokens); FINAL_ONLY, one output when the request finishes (a server's whole response)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings of one request (see vLLM's SamplingParams for the semantics)."""
@@ -109,6 +121,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Free-form arguments for custom logits processors (vLLM's extra_args).
     extra_args: dict[str, Any] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer/config (vLLM keeps the same private fields):
     # EOS plus stop_token_ids, banned while fewer than min_tokens were generated.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
@@ -203,6 +216,8 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -243,6 +243,7 @@ def test_paging_and_neutral_modules_need_no_third_party_package():
     stdlib_only = [m for m in MODULES if layer_of(m) in ("paging", "neutral")]
     allowed = {"__future__", "argparse", "array", "atexit", "bisect", "collections",
                "concurrent", "copy", "dataclasses", "difflib", "enum", "gc", "hashlib", "os",
-               "itertools", "json", "math", "operator", "pathlib", "re", "typing", "octavo"}
+               "itertools", "json", "math", "operator", "pathlib", "re", "types",
+               "typing", "octavo"}
     heavy = {m: sorted(external_imports_of(m) - allowed) for m in stdlib_only}
     assert {m: v for m, v in heavy.items() if v} == {}

@@ -30,7 +30,7 @@ from octavo.engine.structured_output import StructuredOutputs
 from octavo.engine_args import EngineArgs
 from octavo.gc_heap import freeze_gc_heap
 from octavo.model.sources import resolve_model_dir
-from octavo.outputs import RequestOutput
+from octavo.outputs import RequestOutput, RequestProgress
 from octavo.paging.block_hash import BlockHasher
 from octavo.sampling_params import BeamSearchParams, SamplingParams
 
@@ -66,9 +66,8 @@ class LLMEngine:
         self.kv = make_kv_manager(args, blocks.num_blocks, blocks.num_host_blocks,
                                   self.max_model_len, self.model_config)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
-        drafter = self.executor.drafter
-        if self.scheduler.speculator is not None and drafter is not None:
-            self.scheduler.speculator.draft_token_share = drafter.share
+        if self.executor.drafter is not None:
+            self.scheduler.set_draft_token_share(self.executor.drafter.share)
         caching = args.enable_prefix_caching and args.kv_allocator == "paged"
         hasher = BlockHasher(args.block_size) if caching else None
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
@@ -132,17 +131,19 @@ class LLMEngine:
             self.structured.wait(plan)
             self.scheduler.step_failed(plan)
             raise
-        if self.scheduler.speculator is not None and plan.chunks:  # its cost model's data
-            self.scheduler.speculator.cost.observe(
-                plan.num_tokens, sum(len(c.sample_seq_ids) for c in plan.chunks),
-                time.perf_counter() - started)
+        self.scheduler.observe_step_time(plan, time.perf_counter() - started)
         updates = self.scheduler.update_from_output(plan, out)
-        outputs, stopped = self.output_processor.process(updates)
-        self.scheduler.finish_seqs(stopped)
-        for output in outputs:
-            if output.finished:
-                self.requests.pop(output.request_id, None)
+        self.scheduler.apply_text_stops(self.output_processor.process(updates))
+        outputs = self.output_processor.make_outputs(updates)
+        for progress in self.output_processor.progress:
+            if progress.finished:
+                self.requests.pop(progress.request_id, None)
         return outputs
+
+    @property
+    def step_progress(self) -> list[RequestProgress]:
+        """Every request the last step touched, with its timestamps, outputs or not."""
+        return self.output_processor.progress
 
     def shutdown(self) -> None:
         """Stop the executor's workers (tensor parallelism), and give what start-up froze back
@@ -156,21 +157,7 @@ class LLMEngine:
         return self.executor.kernel_path()
 
     def stats(self) -> dict[str, int | float]:
-        s = dict(self.kv.stats())
-        sch = self.scheduler
-        s.update(
-            num_requests_running=len(sch.running),
-            num_requests_waiting=len(sch.waiting),
-            num_requests_swapped=len(sch.swapped),
-            num_preemptions=sch.num_preemptions,
-            peak_running_seqs=sch.peak_running_seqs,
-            prompt_tokens_total=sch.num_prompt_tokens_total,
-            generation_tokens_total=sch.num_generation_tokens_total,
-            **self.weight_stats,
-        )
-        if sch.speculator is not None:
-            s.update(sch.speculator.stats.as_stats())
-        return s
+        return {**self.kv.stats(), **self.scheduler.stats(), **self.weight_stats}
 
     def kv_map(self, contiguous: str | None = "request", block_tables: bool = False) -> dict:
         """The page map now: every block's state, the requests, stats() and the contiguous

@@ -21,6 +21,7 @@ import time
 
 from octavo.config import SchedulerConfig
 from octavo.engine import beam_search
+from octavo.engine.output_processor import TextStop
 from octavo.engine.parallel_sampling import fan_out, needs_fan_out
 from octavo.engine.request import Request, RequestStatus, RequestUpdate, Sequence, SeqUpdate
 from octavo.engine.speculator import DraftState, Speculator
@@ -76,11 +77,45 @@ class Scheduler:
             self._release(seq)
         request.status = RequestStatus.FINISHED
 
-    def finish_seqs(self, seqs: list[Sequence]) -> None:
-        """Free sequences finished outside the scheduler (stop strings, found by the output
-        processor after detokenizing)."""
-        for seq in seqs:
-            self._finish_seq(seq)
+    def apply_text_stops(self, stops: list[TextStop]) -> None:
+        """Finish the sequences the output processor's stop strings ended (found after
+        detokenizing): their finish and stop reasons, the tokens sampled past the stop in a
+        step of several dropped, their blocks freed if they still ran."""
+        for stop in stops:
+            seq = stop.seq
+            still_running = seq.finish_reason is None
+            seq.drop_last_tokens(stop.drop_tokens)
+            seq.finish_reason = stop.decision.finish_reason
+            seq.stop_reason = stop.decision.stop_reason
+            if still_running:
+                self._finish_seq(seq)
+
+    def set_draft_token_share(self, share: float) -> None:
+        """The runner's drafter's cost per draft token, as a share of a target token's (its
+        cost model needs it; speculative decoding with a model drafter only)."""
+        if self.speculator is not None:
+            self.speculator.draft_token_share = share
+
+    def observe_step_time(self, plan: StepPlan, seconds: float) -> None:
+        """How long the runner took for `plan`: the speculator's cost model learns from it."""
+        if self.speculator is not None and plan.chunks:
+            self.speculator.cost.observe(
+                plan.num_tokens, sum(len(c.sample_seq_ids) for c in plan.chunks), seconds)
+
+    def stats(self) -> dict[str, int | float]:
+        """Queues, preemptions and token totals (and speculative decoding's counters)."""
+        s: dict[str, int | float] = {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "num_requests_swapped": len(self.swapped),
+            "num_preemptions": self.num_preemptions,
+            "peak_running_seqs": self.peak_running_seqs,
+            "prompt_tokens_total": self.num_prompt_tokens_total,
+            "generation_tokens_total": self.num_generation_tokens_total,
+        }
+        if self.speculator is not None:
+            s.update(self.speculator.stats.as_stats())
+        return s
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from octavo.outputs import RequestOutput
+from octavo.outputs import RequestProgress
 
 PREFIX = "octavo:"
 
@@ -149,8 +149,8 @@ class ServerMetrics:
             out[f"{name}_count"] = len(xs)
         return out
 
-    def on_output(self, out: RequestOutput, prev_token_time: float | None) -> None:
-        """Engine thread: one step's output of one request (prometheus-client is thread-safe)."""
+    def on_progress(self, out: RequestProgress, prev_token_time: float | None) -> None:
+        """Engine thread: one request one step touched (prometheus-client is thread-safe)."""
         m = out.metrics
         arrival, first, last = m.get("arrival_time"), m.get("first_token_time"), m.get(
             "last_token_time")
@@ -167,8 +167,7 @@ class ServerMetrics:
                 self.e2e.observe(max(done - arrival, 0.0))
             if scheduled is not None and arrival is not None:
                 self.queue.observe(max(scheduled - arrival, 0.0))
-            reason = out.outputs[0].finish_reason if out.outputs else None
-            self.success.labels(self.model_name, reason or "unknown").inc()
+            self.success.labels(self.model_name, out.finish_reason or "unknown").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -25,7 +25,7 @@ from octavo.engine.async_engine import (
     RequestStream,
 )
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams, StructuredOutputsParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from octavo.server.context import ServerContext
 from octavo.server.errors import OpenAIError, bad_request, error_body
 from octavo.server.protocol import SamplingFields, UsageInfo
@@ -88,6 +88,8 @@ def to_sampling_params(
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words,
             structured_outputs=structured_outputs,
+            # a stream sends what each step adds; a whole response needs only the end
+            output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         )
     except (ValueError, TypeError) as e:
         raise bad_request(str(e)) from e
@@ -215,10 +217,28 @@ def engine_error(e: RequestAbortedError | EngineStepError) -> OpenAIError:
 
 
 def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
+    """Token counts of whole (cumulative or final) outputs."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion)
+
+
+class StreamUsage:
+    """Token counts of a stream of DELTA outputs, added up as they arrive."""
+
+    def __init__(self) -> None:
+        self._prompt: dict[int, int] = {}  # per prompt index
+        self.completion = 0
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        self._prompt[prompt_index] = len(out.prompt_token_ids)
+        self.completion += sum(len(c.token_ids) for c in out.outputs)
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self._prompt.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion,
+                         total_tokens=prompt + self.completion)
 
 
 # Characters JSON leaves raw that str.splitlines() (httpx's aiter_lines, many SSE readers)

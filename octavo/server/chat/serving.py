@@ -51,6 +51,7 @@ from octavo.server.serving_common import (
     ENGINE_ERRORS,
     SSE_DONE,
     SSEResponse,
+    StreamUsage,
     cancel_all,
     check_context_length,
     check_max_tokens,
@@ -162,7 +163,7 @@ class ChatRun:
         self.tools = tools
         self.reasoning = reasoning
         self.created = int(time.time())
-        self.final: RequestOutput | None = None  # the last output seen
+        self.usage: UsageInfo | None = None  # the tokens so far, once the engine sent some
         self.num_prompt_tokens = 0
 
     def cancel(self) -> None:
@@ -188,7 +189,6 @@ class ChatRun:
             raise engine_error(e) from e
         if finals is None:
             return None
-        self.final = finals[0]
         return self.to_response(finals[0])
 
     def to_response(self, out: RequestOutput) -> ChatCompletionResponse:
@@ -200,9 +200,10 @@ class ChatRun:
                 logprobs=self._logprobs(o.token_ids, o.logprobs),
                 finish_reason=self._finish_reason(o, called), stop_reason=o.stop_reason,
             ))
+        self.usage = usage([out])
         return ChatCompletionResponse(id=self.id, created=self.created,
                                       model=self.ctx.model_name, choices=choices,
-                                      usage=usage([out]))
+                                      usage=self.usage)
 
     # ---- stream -----------------------------------------------------------------------------
     def _chunk(self, choices: list[ChatStreamChoice],
@@ -212,33 +213,30 @@ class ChatRun:
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         """The stream's chunks; raises RequestAbortedError / EngineStepError if the engine
-        fails the request. The caller cancels the run when it stops reading."""
+        fails the request. The caller cancels the run when it stops reading. The engine sends
+        DELTA outputs: each carries only what its step added."""
         opts = self.body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         n = self.body.n
-        sent_text = [0] * n
-        sent_tokens = [0] * n
         done = [False] * n
+        counts = StreamUsage()
         parsers = [ChoiceStream(self.tools, self.reasoning) for _ in range(n)]
         for i in range(n):
             yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                             content=""))])
         async for _, out in merge(self.streams):
-            self.final = out
+            counts.add(0, out)
+            self.usage = counts.usage()
             for o in out.outputs:
                 i = o.index
                 if done[i]:
                     continue
-                text = o.text[sent_text[i]:] if len(o.text) > sent_text[i] else ""
-                new_tokens = len(o.token_ids) > sent_tokens[i]
-                if not (text or o.finish_reason or (self.top_k is not None and new_tokens)):
+                if not (o.text or o.finish_reason or (self.top_k is not None and o.token_ids)):
                     continue
-                lp = self._logprobs(o.token_ids[sent_tokens[i]:],
-                                    (o.logprobs or [])[sent_tokens[i]:])
-                sent_text[i], sent_tokens[i] = len(o.text), len(o.token_ids)
+                lp = self._logprobs(o.token_ids, o.logprobs)
                 done[i] = o.finish_reason is not None
-                delta = parsers[i].feed(text) if text else None
+                delta = parsers[i].feed(o.text) if o.text else None
                 if done[i]:
                     delta = _merge_deltas(delta, parsers[i].finish())
                 if delta is None and lp is None and not done[i]:
@@ -249,9 +247,9 @@ class ChatRun:
                                    else None),
                     stop_reason=o.stop_reason,
                 )
-                yield self._chunk([choice], usage([out]) if continuous else None)
-        if include_usage and self.final is not None:
-            yield self._chunk([], usage([self.final]))
+                yield self._chunk([choice], self.usage if continuous else None)
+        if include_usage and self.usage is not None:
+            yield self._chunk([], self.usage)
 
     async def sse(self) -> AsyncIterator[str]:
         try:

@@ -32,6 +32,7 @@ from octavo.server.serving_common import (
     ENGINE_ERRORS,
     SSE_DONE,
     SSEResponse,
+    StreamUsage,
     cancel_all,
     check_context_length,
     check_max_tokens,
@@ -184,40 +185,38 @@ class _Generation:
         ).model_dump_json())
 
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        """The SSE chunks; the engine sends DELTA outputs (each only what its step added)."""
         opts = self.body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         n, echo = self.body.n, self.body.echo
         sent: dict[int, _Sent] = {}
-        latest: dict[int, RequestOutput] = {}
+        counts = StreamUsage()
         try:
             async for i, out in merge(streams):
-                latest[i] = out
+                counts.add(i, out)
                 for o in out.outputs:
                     idx = i * n + o.index
                     st = sent.setdefault(idx, _Sent())
                     if st.done:
                         continue
-                    text = o.text[st.text:] if len(o.text) > st.text else ""
                     first = echo and not st.echoed
-                    new_tokens = len(o.token_ids) > st.tokens
-                    wants_lp = self.body.logprobs is not None and new_tokens
-                    if not (text or o.finish_reason or first or wants_lp):
+                    wants_lp = self.body.logprobs is not None and bool(o.token_ids)
+                    if not (o.text or o.finish_reason or first or wants_lp):
                         continue
                     prefix = self.prompt_text(i) if first else ""
-                    lp = self._logprobs(out, o, st.tokens, st.offset, first)
+                    lp = self._logprobs(out, o, 0, st.offset, first)
                     if lp is not None:
                         st.offset = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else (
                             st.offset)
-                    st.text, st.tokens, st.echoed = len(o.text), len(o.token_ids), True
+                    st.echoed = True
                     st.done = o.finish_reason is not None
-                    choice = CompletionChoice(index=idx, text=prefix + text, logprobs=lp,
+                    choice = CompletionChoice(index=idx, text=prefix + o.text, logprobs=lp,
                                               finish_reason=o.finish_reason,
                                               stop_reason=o.stop_reason)
-                    yield self._chunk([choice], usage(list(latest.values())) if continuous
-                                      else None)
+                    yield self._chunk([choice], counts.usage() if continuous else None)
             if include_usage:
-                yield self._chunk([], usage(list(latest.values())))
+                yield self._chunk([], counts.usage())
         except ENGINE_ERRORS as e:
             yield sse_error(e)
         finally:
@@ -227,10 +226,8 @@ class _Generation:
 
 @dataclass(slots=True)
 class _Sent:
-    """How much of one choice the client has been sent."""
+    """What one choice's client has been sent: its echo, the text offset of its logprobs."""
 
-    text: int = 0
-    tokens: int = 0
     offset: int = 0
     echoed: bool = False
     done: bool = False
