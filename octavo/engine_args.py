@@ -10,61 +10,39 @@ command line. A neutral module: stdlib only, so the CLI parses and fails fast wi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import json
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import Any
 
 from octavo.config import SchedulerConfig, SpeculativeConfig
+from octavo.options import (
+    OptionError,
+    add_flags,
+    at_least,
+    check_options,
+    flag,
+    option,
+    options_from_flags,
+)
 
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
-class EngineArgsError(ValueError):
+class EngineArgsError(OptionError):
     """A bad engine option; `option` is its field name (the CLI shows it as a flag)."""
 
-    def __init__(self, option: str, problem: str) -> None:
-        super().__init__(f"{option}: {problem}")
-        self.option = option
-        self.problem = problem
 
-
-def _opt(default: Any, help: str, *, choices: Iterable[Any] | None = None,
-         check: Callable[[Any], str | None] | None = None, cli: bool = True) -> Any:
-    """A field with its help text, allowed values and a check returning a problem or None."""
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "check": check,
-            "cli": cli}
-    return field(default=default, metadata=meta)
-
-
-def _at_least(low: int | float) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        return None if v is None or v >= low else f"must be >= {low}, got {v}"
-    return check
+_opt = option
+_at_least = at_least
 
 
 def _fraction(v: float) -> str | None:
     return None if 0.0 < v <= 1.0 else f"must be in (0, 1], got {v}"
-
-
-def _type_problem(kind: str, value: Any) -> str | None:
-    if value is None:
-        return None if "None" in kind else "must be given, got None"
-    base = kind.split("|")[0].strip()
-    ok = {
-        "bool": isinstance(value, bool),
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, int | float) and not isinstance(value, bool),
-        "str": isinstance(value, str),
-        "tuple": isinstance(value, tuple),
-        "dict": isinstance(value, dict),
-    }[base]
-    return None if ok else f"must be {'a ' + base if base != 'int' else 'an int'}, got {value!r}"
 
 
 def _speculative(v: dict | None) -> str | None:
@@ -161,9 +139,15 @@ class EngineArgs:
         False, "never replay decode steps from CUDA graphs (on CUDA with the Triton backend "
         "they are captured per batch-size bucket at start-up)")
     cpu_isa: str = _opt(
-        "auto", "instruction set of the compiled CPU kernels: auto (the CPU's best; "
-        "OCTAVO_CPU_ISA overrides), avx512, avx2 or portable",
-        choices=("auto", "avx512", "avx2", "portable"))
+        "auto", "instruction set of the compiled CPU kernels: auto (the CPU's best), avx512, "
+        "avx2 or portable", choices=("auto", "avx512", "avx2", "portable"))
+    packed_gemv_rows: int | None = _opt(
+        None, "steps of up to this many rows run octavo's GEMV on the oneDNN-packed weights "
+        "(0: never, oneDNN's GEMM throughout; default: the kernel's own limit)",
+        check=_at_least(0))
+    decode_stack: bool = _opt(
+        True, "run an all-decode step's layers in one C++ loop on CPU where the model allows "
+        "(off: the Python layers, the same kernels in the same order)")
     logits_processors: tuple = _opt(
         (), "custom logits processors (octavo.model.sample.logits_processor.LogitsProcessor "
         "subclasses, or their names as pkg.module:Class; comma-separated on the command line)")
@@ -171,18 +155,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if isinstance(self.logits_processors, list):  # LLM(logits_processors=[...])
             object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
-        for f in fields(self):
-            value = getattr(self, f.name)
-            choices, check = f.metadata["choices"], f.metadata["check"]
-            problem = _type_problem(str(f.type), value)
-            if problem is not None:
-                raise EngineArgsError(f.name, problem)
-            if choices is not None and value is not None and value not in choices:
-                allowed = ", ".join(map(str, choices))
-                raise EngineArgsError(f.name, f"{value!r} is not one of {allowed}")
-            problem = check(value) if check is not None else None
-            if problem is not None:
-                raise EngineArgsError(f.name, problem)
+        check_options(self, EngineArgsError)
         if self.speculative_config is not None and self.logits_processors:
             # a custom processor keeps per-sequence state a step of several positions breaks
             raise EngineArgsError("speculative_config", "cannot be combined with "
@@ -252,65 +225,16 @@ def from_kwargs(**kwargs: Any) -> EngineArgs:
 
 
 # -- command line -----------------------------------------------------------------------------
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def add_cli_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
                  exclude: Iterable[str] = (), overrides_only: bool = False) -> None:
     """One flag per option. `overrides_only`: no defaults, so only the flags given show up in
     the namespace (for `octavo bench`, whose benchmarks choose their own engine settings)."""
-    skip = set(exclude)
-    defaults = EngineArgs()
-    for f in fields(EngineArgs):
-        if f.name in skip or not f.metadata["cli"]:
-            continue
-        default = argparse.SUPPRESS if overrides_only else getattr(defaults, f.name)
-        kw: dict[str, Any] = {"dest": f.name, "default": default}
-        help_text = f.metadata["help"]
-        if not overrides_only and "default" not in help_text:
-            help_text += " (default: %(default)s)"
-        if f.type in ("bool", bool):
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = _cli_type(f)
-            kw["metavar"] = f.name.upper()
-            if f.metadata["choices"] is not None:
-                kw["choices"] = f.metadata["choices"]
-                kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
-        parser.add_argument(flag(f.name), help=help_text, **kw)
-
-
-def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
-    kind = str(f.type)
-    if kind.startswith("int"):
-        return int
-    if kind.startswith("float"):
-        return float
-    if kind.startswith("dict"):
-        return _json_dict
-    if kind.startswith("tuple"):
-        return lambda text: tuple(part.strip() for part in text.split(",") if part.strip())
-    return str
-
-
-def _json_dict(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
+    add_flags(parser, EngineArgs, exclude=exclude, overrides_only=overrides_only)
 
 
 def from_cli_args(ns: argparse.Namespace) -> EngineArgs:
     """EngineArgs from a parsed namespace; a bad value is reported with its flag."""
-    given = {name: getattr(ns, name) for name in OPTION_NAMES if hasattr(ns, name)}
-    try:
-        return EngineArgs(**given)
-    except EngineArgsError as e:
-        raise EngineArgsError(flag(e.option), e.problem) from None
+    return options_from_flags(EngineArgs, ns)
 
 
 def to_cli_flags(options: dict[str, Any]) -> list[str]:

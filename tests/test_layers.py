@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "octavo"
 
 NEUTRAL = {"octavo.sampling_params", "octavo.outputs", "octavo.step_plan", "octavo.config",
-           "octavo.engine_args", "octavo.gc_heap", "octavo.envs"}
+           "octavo.engine_args", "octavo.gc_heap", "octavo.envs", "octavo.options"}
 # layer -> the layers it may import (its own included)
 ALLOWED = {
     "neutral": {"neutral"},

@@ -30,10 +30,11 @@ def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, linear_backend: str | None = None, fused_ops: str | None = None,
     isa: str | None = None, tp: TPGroup | None = None, quantization: str | None = None,
-    group_size: int = 32,
+    group_size: int = 32, packed_gemv_rows: int | None = None,
 ) -> LlamaForCausalLM:
     """The model (with `tp` of size > 1: this rank's slice of it, see tensor_parallel.py;
-    with `quantization`, its linear layers quantized, see quantization.py)."""
+    with `quantization`, its linear layers quantized, see quantization.py). `packed_gemv_rows`:
+    the most rows a step's linear layers run packed_gemv for (0: never; None: its limit)."""
     shards = ShardPlan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
     build = shards.local_config if shards is not None else config
     with torch.device("meta"):
@@ -54,12 +55,12 @@ def load_model(
     model.rotary = RotaryEmbedding(config, max_positions).to(device)
     model = model.to(dtype=dtype)
     model.rotary.to(torch.float32)  # tables stay fp32; cast per step like transformers
-    if resolve_kernels("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS") == "triton":
+    if resolve_kernels("fused_ops", fused_ops, device) == "triton":
         from octavo.model.kernels.triton.fused_ops import TritonFusedOps
 
         ops: Any = TritonFusedOps()
     else:
-        ops = select_cpu_ops("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS", isa)
+        ops = select_cpu_ops("fused_ops", fused_ops, device, isa)
     # quantized layers run through the compiled CPU ops where those run
     quant_ops = ops if hasattr(ops, "quantize_rows_int8") else None
     if quantization == "gguf":
@@ -69,5 +70,5 @@ def load_model(
     else:
         model.quant_report = None
     pack_linears(model, linear_backend)
-    model.use_cpu_ops(ops)
+    model.use_cpu_ops(ops, packed_gemv_rows)
     return model.eval()

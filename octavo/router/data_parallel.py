@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import octavo.engine_args as engine_args
+import octavo.envs as envs
 from octavo.model.sources import resolve_model_dir
 from octavo.router.args import RouterConfig
 from octavo.router.launcher import RouterServer, make_hasher, router_server
@@ -84,8 +85,7 @@ def replica_flags(ns: argparse.Namespace) -> list[str]:
 
 
 def threads_per_replica(n: int) -> int:
-    total = os.environ.get("OMP_NUM_THREADS", "")
-    cores = int(total) if total.isdigit() and int(total) > 0 else len(os.sched_getaffinity(0))
+    cores = envs.omp_num_threads() or len(os.sched_getaffinity(0))
     return max(1, cores // n)
 
 
@@ -104,7 +104,7 @@ class ReplicaProcess:
 
 def start_replicas(ns: argparse.Namespace, n: int) -> list[ReplicaProcess]:
     flags = replica_flags(ns)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_replica(n))}
+    env = envs.child_env({"OMP_NUM_THREADS": str(threads_per_replica(n))})
     replicas = []
     try:
         for _ in range(n):

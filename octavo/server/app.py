@@ -18,10 +18,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from octavo import __version__
 from octavo.engine.async_engine import AsyncLLMEngine
 from octavo.server.anthropic.serving import messages_router
+from octavo.server.args import ServerConfig
 from octavo.server.chat.serving import create_chat_completion
 from octavo.server.completions.serving import create_completion
 from octavo.server.completions.tokens import detokenize, tokenize
-from octavo.server.context import ServerConfig, ServerContext
+from octavo.server.context import ServerContext
 from octavo.server.dashboard import dashboard_router
 from octavo.server.errors import OpenAIError, install_error_handlers
 from octavo.server.middleware import (

@@ -14,64 +14,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from transformers import AutoTokenizer
 
 from octavo.engine.async_engine import AsyncLLMEngine
-from octavo.server.args import (
-    DEFAULT_HEADER_TIMEOUT,
-    DEFAULT_LIMIT_CONCURRENCY,
-    DEFAULT_MAX_PROMPTS_PER_REQUEST,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
-    DEFAULT_MAX_STORED_RESPONSES,
-    DEFAULT_MAX_WAITING_REQUESTS,
-    DEFAULT_SHUTDOWN_TIMEOUT,
-    DEFAULT_TIMEOUT_KEEP_ALIVE,
-)
+from octavo.server.args import ServerConfig
 from octavo.server.errors import OpenAIError, bad_request
 from octavo.server.metrics import ServerMetrics
-from octavo.server.protocol import MAX_LOGPROBS
 
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class ServerConfig:
-    """Settings of the HTTP layer (the engine's are in EngineArgs)."""
-
-    served_model_names: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    max_logprobs: int = MAX_LOGPROBS
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
-    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
-    protect_metrics: bool = False
-    # connections and shutdown (server/connections.py, launcher.py)
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT
-    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
-    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
-    # tools and reasoning (server/chat/tools.py, server/chat/output.py)
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
-
-    def __post_init__(self) -> None:
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
-        for name in ("max_request_body_bytes", "max_prompts_per_request",
-                     "max_sequences_per_request", "limit_concurrency",
-                     "max_stored_responses"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("header_timeout", "timeout_keep_alive", "shutdown_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class ServerContext:
@@ -81,7 +33,8 @@ class ServerContext:
         self.config = config
         self.model_dir = str(llm.model_dir)
         if not config.served_model_names:
-            config.served_model_names = [llm.model_dir.name]
+            config = config.replace(served_model_names=[llm.model_dir.name])
+            self.config = config
         self.model_name = config.served_model_names[0]
         self.max_model_len = llm.max_model_len
         self.vocab_size = llm.model_config.vocab_size

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from octavo.server.args import MAX_LOGPROBS  # vLLM's default max_logprobs
 from octavo.server.protocol_agent import (
     ChatTool,
     DeltaToolCall,
@@ -26,8 +27,6 @@ from octavo.server.protocol_agent import (
     ToolChoice,
 )
 from octavo.server.protocol_base import OpenAIBaseModel, RequestModel
-
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 # Bounds a schema can state; what depends on the model (token ids < vocab size, prompt plus
 # max_tokens within max_model_len) is checked by the handlers.

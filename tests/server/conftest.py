@@ -22,7 +22,7 @@ from octavo.bench.server_proc import parse_metrics
 from octavo.engine.async_engine import AsyncLLMEngine
 from octavo.engine.engine_thread import EngineThread
 from octavo.llm import LLM
-from octavo.server.context import ServerConfig
+from octavo.server.args import ServerConfig
 from octavo.server.launcher import OctavoServer, serve_app
 
 API_KEY = "test-key-123"

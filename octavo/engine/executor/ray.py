@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import octavo.envs as envs
 from octavo.config import ModelConfig
 from octavo.engine.executor.base import RankedExecutor, WorkerDiedError, settle_errors
 from octavo.engine_args import EngineArgs
@@ -70,8 +71,7 @@ class RayExecutor(RankedExecutor):
         self._accepted: dict[int, list[int]] = {}
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            address = os.environ.get("RAY_ADDRESS") or None
-            ray.init(address=address, include_dashboard=False, log_to_driver=True,
+            ray.init(address=envs.ray_address(), include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
         cuda = args.device.startswith("cuda")
         bundle = {"GPU": 1.0} if cuda else {"CPU": float(threads_per_rank(self.size))}

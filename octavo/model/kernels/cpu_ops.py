@@ -25,7 +25,6 @@ so once.
 from __future__ import annotations
 
 import logging
-import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -43,14 +42,11 @@ SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.c
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 
-def resolve_kernels(setting: str, choice: str | None, device: torch.device,
-                    env_var: str) -> str:
+def resolve_kernels(setting: str, choice: str | None, device: torch.device) -> str:
     """Which kernels an engine setting (attention_backend, fused_ops) picks: "torch", "cpu"
-    (octavo's compiled CPU ops) or "triton" (model/triton_kernels). auto (`env_var`
-    overrides it): the compiled ops on CPU, Triton on CUDA where it is installed, else torch."""
+    (octavo's compiled CPU ops) or "triton" (model/kernels/triton). auto: the compiled ops on
+    CPU, Triton on CUDA where it is installed, else torch."""
     choice = choice or "auto"
-    if choice == "auto":
-        choice = os.environ.get(env_var, "auto")
     if choice not in CHOICES:
         raise ValueError(f"{setting}={choice!r} is not one of {CHOICES}")
     if choice == "auto" and device.type == "cpu":
@@ -70,13 +66,13 @@ def resolve_kernels(setting: str, choice: str | None, device: torch.device,
 
 
 def select_cpu_ops(setting: str, choice: str | None, device: torch.device,
-                   env_var: str, isa: str | None = None) -> Any | None:
+                   isa: str | None = None) -> Any | None:
     """The compiled ops for an engine setting that chooses between them and plain torch, or
     None for torch (or Triton: see resolve_kernels). auto: the compiled ops on CPU when they
     build; cpu: the compiled ops, or an error naming `setting`. `isa`: the cpu_isa setting
     (auto: the CPU's best)."""
-    explicit = (choice or "auto") != "auto" or os.environ.get(env_var, "auto") != "auto"
-    if resolve_kernels(setting, choice, device, env_var) != "cpu":
+    explicit = (choice or "auto") != "auto"
+    if resolve_kernels(setting, choice, device) != "cpu":
         return None
     ops = load_cpu_ops(select_isa(isa))
     if ops is None and explicit:
@@ -96,7 +92,6 @@ def load_cpu_ops(isa: str | None = None) -> Any | None:
         root = cache_dir() / "torch_extensions"
         build = root / isa
         build.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root))
         ops = load(
             name=f"octavo_cpu_ops_{isa}",
             sources=[str(_CSRC / s) for s in SOURCES],

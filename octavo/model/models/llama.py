@@ -75,14 +75,15 @@ class LlamaForCausalLM(nn.Module):
         h = residual[logit_indices] + x[logit_indices] if residual is not None else x[logit_indices]
         return self.lm_head(self.norm(h)).float()
 
-    def use_cpu_ops(self, ops: Any) -> None:
+    def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
         """Route RMSNorm, RoPE and SiLU-and-mul through the compiled CPU ops (None: torch),
-        and decode-sized batches of oneDNN-packed linear layers through their packed_gemv."""
+        and decode-sized batches of oneDNN-packed linear layers through their packed_gemv
+        (of at most `packed_gemv_rows` rows, 0: never; None: the kernel's limit)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
             elif isinstance(module, PackedLinear):
-                module.use_gemv(ops)
+                module.use_gemv(ops, packed_gemv_rows)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load an HF Llama checkpoint's tensors, fusing q/k/v and gate/up."""

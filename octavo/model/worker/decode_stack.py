@@ -9,13 +9,13 @@ It applies to the plain pre-norm Llama layer (Llama, Mistral/Qwen2 without slidi
 SmolLM2, ...) on CPU with octavo's compiled ops and paged-decode kernel, whatever the linear
 layers are (oneDNN-packed fp32/bf16, int8, 4/8-bit blocks, plain); any other layer (Qwen3's
 q/k norms, Gemma's, MoE, sliding windows, soft caps), tensor parallelism or a hook on a
-module keeps the Python path. OCTAVO_DECODE_STACK=0 turns it off (the benchmarks' A/B).
+module keeps the Python path. The engine option `decode_stack=False` turns it off (the
+benchmarks' A/B).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from torch import nn
@@ -27,7 +27,6 @@ from octavo.model.quant.block_quant import SMALL_BATCH, BlockQuantLinear
 from octavo.model.quant.quantization import Int8Linear
 
 logger = logging.getLogger(__name__)
-ENV_VAR = "OCTAVO_DECODE_STACK"
 BLOCK, ONEDNN, INT8, PLAIN = 0, 1, 2, 3
 
 
@@ -46,9 +45,9 @@ def _linear_spec(m: nn.Module) -> tuple | None:
     return None
 
 
-def _why_not(model: nn.Module, backend: Any) -> str | None:
-    if os.environ.get(ENV_VAR, "1") == "0":
-        return f"{ENV_VAR}=0"
+def _why_not(model: nn.Module, backend: Any, enabled: bool) -> str | None:
+    if not enabled:
+        return "decode_stack=False"
     if getattr(backend, "name", None) != "cpu":
         return "not the compiled CPU attention backend"
     if getattr(model, "shard", None) is not None:
@@ -74,9 +73,10 @@ def _why_not(model: nn.Module, backend: Any) -> str | None:
     return None
 
 
-def build_decode_stack(model: nn.Module, backend: Any, kv_groups: Any) -> Any | None:
+def build_decode_stack(model: nn.Module, backend: Any, kv_groups: Any,
+                       enabled: bool = True) -> Any | None:
     """The C++ decode loop for `model`, or None where the Python path must run (logged)."""
-    problem = _why_not(model, backend)
+    problem = _why_not(model, backend, enabled)
     ops = model.layers[0].self_attn.ops if not problem else None
     if problem is None and not hasattr(ops, "DecodeStack"):
         problem = "the compiled ops lack DecodeStack"

@@ -17,7 +17,8 @@ import torch
 
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
-from octavo.model.dtype_policy import DTYPES, resolve_isa_and_dtype
+from octavo.model.dtype_policy import DTYPES
+from octavo.model.kernel_config import resolve_kernel_config
 from octavo.model.layers.attention import get_backend
 from octavo.model.layers.kv_cache import KVCache
 from octavo.model.layers.linear import PackedLinear
@@ -80,8 +81,10 @@ class ModelRunner:
         self.local_config = (ShardPlan(config, tp.rank, tp.size).local_config
                              if tp is not None and tp.size > 1 else config)
         self.device = resolve_device(args.device)
-        isa, self.dtype_choice = resolve_isa_and_dtype(args.cpu_isa, args.dtype, config,
-                                                       self.device)
+        # every `auto` kernel choice, resolved once (model/kernel_config.py)
+        self.kernels, self.dtype_choice = resolve_kernel_config(
+            args, config, self.device, tp.size if tp is not None else 1)
+        isa = self.kernels.isa
         self.isa = isa or "none"
         self.dtype = self.dtype_choice.dtype
         self.block_size = args.block_size
@@ -90,9 +93,10 @@ class ModelRunner:
         self.max_positions = max_positions
         self.graphs: DecodeGraphs | None = None  # set by init_kv_cache where they apply
         self.model = load_model(model_dir, config, self.dtype, self.device, max_positions,
-                                args.linear_backend, args.fused_ops, isa, tp,
-                                args.quantization, args.quantization_group_size)
-        self.backend = get_backend(args.attention_backend, self.device, isa)
+                                args.linear_backend, self.kernels.fused_ops, isa, tp,
+                                args.quantization, args.quantization_group_size,
+                                args.packed_gemv_rows)
+        self.backend = get_backend(self.kernels.attention, self.device, isa)
         self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
@@ -114,7 +118,8 @@ class ModelRunner:
         draft_dir = resolve_model_dir(spec.model)
         draft_config = ModelConfig.from_dir(draft_dir)
         draft = load_model(draft_dir, draft_config, self.dtype, self.device, max_positions,
-                           self.args.linear_backend, self.args.fused_ops, isa)
+                           self.args.linear_backend, self.kernels.fused_ops, isa,
+                           packed_gemv_rows=self.args.packed_gemv_rows)
         return DraftModelDrafter(draft, draft_config, self.model, self.config)
 
     def kernel_path(self) -> dict[str, str]:
@@ -136,7 +141,8 @@ class ModelRunner:
         gemv = max((m.gemv_rows for m in modules if isinstance(m, PackedLinear)), default=0)
         amx = any(isinstance(m, PackedLinear) and m.gemv_rows and m.gemv_block == 32
                   for m in modules) and ops is not None and ops.packed_gemv_has_amx()
-        return {"device": str(self.device), "dtype": self.dtype_choice.name,
+        return {**self.kernels.as_dict(), "device": str(self.device),
+                "dtype": self.dtype_choice.name,
                 "dtype_requested": self.args.dtype,
                 "isa": self.isa if compiled else "none",
                 "attention": type(self.backend).__name__, "linear": linear, "fused_ops": fused,
@@ -181,7 +187,8 @@ class ModelRunner:
             self.drafter.init_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
         if self.device.type == "cpu" and (self.tp is None or self.tp.size == 1):
             self.model.decode_stack = build_decode_stack(self.model, self.backend,
-                                                         self.kv_cache.groups)
+                                                         self.kv_cache.groups,
+                                                         self.kernels.decode_stack)
         if self._wants_cuda_graphs():
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend, self.device,
                                        self.args.max_num_seqs, self.max_positions,
@@ -191,8 +198,7 @@ class ModelRunner:
     def _wants_cuda_graphs(self) -> bool:
         """CUDA graphs for decode: on CUDA, with the Triton backend, one rank, unless
         enforce_eager (cuda_graphs.py)."""
-        return (self.device.type == "cuda" and not self.args.enforce_eager
-                and self.backend.name == "triton" and (self.tp is None or self.tp.size == 1))
+        return self.kernels.cuda_graphs and self.backend.name == "triton"
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()

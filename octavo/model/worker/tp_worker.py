@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import octavo.envs as envs
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.gc_heap import freeze_gc_heap
@@ -35,10 +36,7 @@ ERROR_GRACE_S = 10  # how long the other ranks get to report after one rank fail
 
 def threads_per_rank(size: int) -> int:
     """Each rank's share of this machine's cores (OCTAVO_THREADS_PER_RANK, where set, wins)."""
-    env = os.environ.get("OCTAVO_THREADS_PER_RANK")
-    if env and env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, (os.cpu_count() or 1) // size)
+    return envs.threads_per_rank() or max(1, (os.cpu_count() or 1) // size)
 
 
 class ResolvedBitmask:
