@@ -10,7 +10,7 @@ import pytest
 
 from octavo import LLM, SamplingParams
 from octavo.model.kernels.triton import triton_missing
-from tests.model import test_families, test_gemma
+from tests.model.models import test_families, test_gemma
 
 TRITON = dict(attention_backend="triton", fused_ops="triton")
 FAMILIES = {"llama": (test_families.build, "mistral-full"),

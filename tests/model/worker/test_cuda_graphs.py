@@ -8,7 +8,7 @@ from __future__ import annotations
 from octavo import LLM, SamplingParams
 from octavo.model.kernels.triton import triton_missing
 from octavo.model.worker.cuda_graphs import DecodeGraphs, batch_buckets, eager_capture
-from tests.model import test_families
+from tests.model.models import test_families
 
 TRITON = dict(attention_backend="triton", fused_ops="triton")
 
