@@ -7,7 +7,7 @@ the model's shapes, and up to 1.6x in bf16 for small decode batches; see BENCHMA
 
 `pack_linears(model)` swaps every `nn.Linear` for a `PackedLinear` after the weights are loaded
 and cast. Each packed layer is checked against `F.linear` on a random batch first; any failure
-(no oneDNN, an unsupported dtype) keeps the plain layer. OCTAVO_LINEAR=torch turns it off.
+(no oneDNN, an unsupported dtype) keeps the plain layer. linear_backend=torch turns it off.
 
 Decode-sized batches (up to `ops.packed_gemv_max_rows(dtype, block)` rows: with AVX-512 32 in
 fp32 and 24 in bf16 (16 on AMX tiles), with AVX2 16 in fp32) skip oneDNN's per-call set-up:
@@ -15,8 +15,8 @@ octavo's `packed_gemv` (csrc/packed_gemv.cpp) reads the same packed buffer in pl
 is oneDNN's internal choice, so `gemv_layout` checks it for every shape and dtype by packing
 matrices that encode each weight's coordinates and comparing the buffer with the layouts
 packed_gemv reads (blocks of 64 outputs; of 32 for bf16 where oneDNN uses AMX); any other
-layout (another oneDNN version or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns
-it off (the benchmarks' A/B), OCTAVO_PACKED_GEMV=N gives it steps of at most N rows.
+layout (another oneDNN version or CPU) keeps oneDNN for that layer. packed_gemv_rows=0 turns
+it off (the benchmarks' A/B), packed_gemv_rows=N gives it steps of at most N rows.
 """
 
 from __future__ import annotations
