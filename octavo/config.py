@@ -288,9 +288,6 @@ class KVGroups:
     def has_window(self) -> bool:
         return any(w is not None for w in self.windows)
 
-    def group_layers(self, group: int) -> list[int]:
-        return [i for i, g in enumerate(self.layer_group) if g == group]
-
     @classmethod
     def single(cls, num_layers: int, window: int | None = None) -> KVGroups:
         return cls((window,), (0,) * num_layers, tuple(range(num_layers)), num_layers)

@@ -143,9 +143,11 @@ def simulate(
             known = seq.prompt_len + seq.generated  # a recomputed sequence re-prefills all
             if paged and kv.num_free_blocks() - -(-known // bs) < wm_blocks and running:
                 break
-            tokens = KVSeq(seq.index, range(known))
-            if kv.allocate_slots(tokens, known, reserve_tokens=seq.prompt_len + seq.output_len,
-                                 final_tokens=seq.prompt_len + seq.output_len - 1) is None:
+            tokens = KVSeq(seq.index, range(known),
+                           reserve_tokens=seq.prompt_len + seq.output_len)
+            # the baseline's waste report tells reserved slots never used from those to come
+            final = {} if paged else {"final_tokens": seq.prompt_len + seq.output_len - 1}
+            if kv.allocate_slots(tokens, known, **final) is None:
                 break
             seq.kv = tokens
             if not paged:

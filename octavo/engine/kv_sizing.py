@@ -9,7 +9,7 @@ from __future__ import annotations
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.paging.allocator import KVAllocator
-from octavo.paging.contiguous import ContiguousAllocator
+from octavo.paging.baseline.contiguous import ContiguousAllocator
 from octavo.paging.kv_manager import KVCacheManager
 
 

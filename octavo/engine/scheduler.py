@@ -306,18 +306,19 @@ class Scheduler:
         reserve = self.reserve_tokens(request)
         done: list[Slot] = []
         for seq in request.live_seqs:
+            seq.reserve_tokens = reserve  # the contiguous baseline reserves it up front
             cached = self.kv.get_computed_blocks(seq) if use_cache else None
             n = min(len(seq.token_ids) - (cached.num_tokens if cached else 0), budget)
             new = None
             if n > 0:
-                new = self.kv.allocate_slots(seq, n, cached, reserve_tokens=reserve)
+                new = self.kv.allocate_slots(seq, n, cached)
             if new is None and done:
                 # A later sequence of a forked request being recomputed. The earlier ones keep
                 # their blocks (new full blocks are already in the prefix cache, so they must be
                 # computed this step); this one takes its cached blocks now and computes the
                 # rest in later steps, like a chunked prefill.
                 n = 0
-                new = self.kv.allocate_slots(seq, 0, cached, reserve_tokens=reserve)
+                new = self.kv.allocate_slots(seq, 0, cached)
             if new is None:
                 for s, start, _, _ in done:
                     self.kv.uncache_from(s.seq_id, start)  # registered, never computed

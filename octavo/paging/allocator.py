@@ -51,8 +51,6 @@ class KVAllocator(Protocol):
         num_new_tokens: int,
         cached: CachedPrefix | None = None,
         *,
-        reserve_tokens: int | None = None,
-        final_tokens: int | None = None,
         num_lookahead_tokens: int = 0,
     ) -> NewBlocks | None: ...
 

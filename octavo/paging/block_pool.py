@@ -133,10 +133,6 @@ class BlockPool:
         yield from self._plain_free
         yield from self._cached_free
 
-    def iter_cached_free_blocks(self) -> Iterator[KVBlock]:
-        """Free blocks still holding a reusable prefix, least recently freed first."""
-        yield from self._cached_free
-
     # -- allocation -----------------------------------------------------------------------------
     def get_new_block(self) -> KVBlock:
         """An empty block with ref 1: a plain free block if any, else evict the LRU cached one."""

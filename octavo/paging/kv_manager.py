@@ -133,8 +133,6 @@ class KVCacheManager:
         num_new_tokens: int,
         cached: CachedPrefix | None = None,
         *,
-        reserve_tokens: int | None = None,
-        final_tokens: int | None = None,
         num_lookahead_tokens: int = 0,
     ) -> NewBlocks | None:
         """Give the next `num_new_tokens` known tokens of `seq` their slots, or return None (and
@@ -150,8 +148,7 @@ class KVCacheManager:
         counts from its end. Later calls first free the blocks that left a sliding window, then
         grow the tables, copying a shared partial last block first (copy-on-write). Returns
         each block table from its first entry that changed (entries freed out of a window are
-        not reported: nothing reads them again). `reserve_tokens` and `final_tokens` are
-        hints for the contiguous baseline; paging reserves nothing ahead.
+        not reported: nothing reads them again). Paging reserves nothing ahead.
         """
         state = self._seqs.get(seq.seq_id)
         if num_lookahead_tokens < 0:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from octavo.paging.contiguous import ContiguousAllocator
+from octavo.paging.baseline.contiguous import ContiguousAllocator
 from octavo.paging.kv_seq import KVSeq
 
 

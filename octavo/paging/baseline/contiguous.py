@@ -36,11 +36,11 @@ class ContiguousAllocator:
     """Reserve-up-front KV allocation.
 
     reserve="max_model_len": every sequence reserves `max_model_len` tokens (the classic case).
-    reserve="request": it reserves `reserve_tokens` (prompt + max_tokens), passed to
-    allocate_slots(). External fragmentation counts free extents too small for one more
-    reservation of the configured size; with reserve="request" that size is the smallest
-    reservation seen so far (a free gap that cannot hold even that is useless to every request
-    we have seen).
+    reserve="request": it reserves the sequence's `reserve_tokens` (prompt + max_tokens, set on
+    the KVSeq by the scheduler; a call may pass it instead). External fragmentation counts free
+    extents too small for one more reservation of the configured size; with reserve="request"
+    that size is the smallest reservation seen so far (a free gap that cannot hold even that is
+    useless to every request we have seen).
     """
 
     def __init__(
@@ -71,7 +71,8 @@ class ContiguousAllocator:
         if self.reserve == "max_model_len":
             tokens = self.max_model_len
         elif reserve_tokens is None:
-            raise ValueError('reserve="request" needs allocate_slots(..., reserve_tokens=N)')
+            raise ValueError('reserve="request" needs the sequence\'s reserve_tokens (or '
+                             'allocate_slots(..., reserve_tokens=N))')
         else:
             tokens = reserve_tokens
         if num_new_tokens > tokens:
@@ -127,7 +128,8 @@ class ContiguousAllocator:
             raise ValueError(f"sequence {seq.seq_id}: lookahead slots need KV blocks already")
         if seq.num_computed_tokens:
             raise ValueError(f"sequence {seq.seq_id} counts computed tokens but has no blocks")
-        n = self.reservation_blocks(num_new_tokens, reserve_tokens)
+        n = self.reservation_blocks(num_new_tokens, reserve_tokens if reserve_tokens is not None
+                                    else seq.reserve_tokens)
         i = self._first_fit(n)
         if i is None:
             return None
