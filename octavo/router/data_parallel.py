@@ -75,8 +75,8 @@ def replica_flags(ns: argparse.Namespace) -> list[str]:
         if value == action.default:
             continue
         flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            out.append(flag)
+        if isinstance(value, bool):  # --x / --no-x
+            out.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, list):
             out += [flag, *map(str, value)]
         else:
