@@ -32,6 +32,7 @@ import queue
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from octavo.engine.engine import LLMEngine, StepFailed
@@ -43,6 +44,17 @@ from octavo.sampling_params import RequestOutputKind, SamplingParams
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a front end needs to know of the model an engine serves."""
+
+    model_dir: Path
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    scheduling_policy: str
 
 
 class RequestAbortedError(RuntimeError):
@@ -157,6 +169,9 @@ class AsyncLLMEngine:
                  thread: EngineThread | None = None) -> None:
         """`thread`: the thread that built `engine`, to step it on (None: a new thread)."""
         self.engine = engine
+        self.model_info = ModelInfo(engine.model_dir, engine.max_model_len,
+                                    engine.model_config.vocab_size, engine.args.max_num_seqs,
+                                    engine.args.scheduling_policy)
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
