@@ -28,7 +28,7 @@ from octavo.model.quant.block_quant import BlockQuantLinear
 from octavo.model.quant.quantization import Int8Linear, weight_bytes
 from octavo.model.sample.logits_processor import LogitsProcessors
 from octavo.model.sample.metadata import SamplingMetadata
-from octavo.model.sample.sampler import Sampler, compute_logprobs
+from octavo.model.sample.sampler import Sampler, SamplerOutput, compute_logprobs
 from octavo.model.sources import resolve_model_dir
 from octavo.model.spec.draft_acceptance import accept_drafts
 from octavo.model.spec.draft_model import DraftModelDrafter
@@ -38,7 +38,8 @@ from octavo.model.worker.cuda_graphs import DecodeGraphs
 from octavo.model.worker.decode_stack import build_decode_stack
 from octavo.model.worker.input_batch import InputBatch
 from octavo.model.worker.profile_run import activation_peak
-from octavo.step_plan import RunnerOutput, SeqChunk, StepPlan
+from octavo.model.worker.sampling_rows import SamplingRows, grammar_rows, sampling_rows
+from octavo.step_plan import RunnerOutput, StepPlan
 
 __all__ = ["DTYPES", "ModelRunner", "load_model"]
 logger = logging.getLogger(__name__)
@@ -273,74 +274,56 @@ class ModelRunner:
         has the target distribution, and a seeded request gets the tokens it gets without
         speculation."""
         out = RunnerOutput()
-        rows: list[int] = []
-        seq_ids: list[int] = []
-        positions: list[int] = []  # draft position of each row (0: the next token)
-        histories: list[list[int]] = []
-        spec: list[tuple[SeqChunk, int]] = []  # (chunk with drafts, its first row)
-        row = 0
-        for chunk in plan.chunks:
-            if not chunk.sample_seq_ids:
-                continue
-            if chunk.draft_token_ids:
-                assert chunk.sample_seq_ids == (chunk.seq_id,), "drafts on a fan-out chunk"
-                tokens, drafts = self.batch.seqs[chunk.seq_id].token_ids, chunk.draft_token_ids
-                spec.append((chunk, len(seq_ids)))
-                for j in range(len(drafts) + 1):
-                    rows.append(row + j)
-                    seq_ids.append(chunk.seq_id)
-                    positions.append(j)
-                    histories.append(tokens + drafts[:j] if j else tokens)
-                row += len(drafts) + 1
-                continue
-            for seq_id in chunk.sample_seq_ids:
-                rows.append(row)
-                seq_ids.append(seq_id)
-                positions.append(0)
-                histories.append(self.batch.seqs[seq_id].token_ids)
-            row += 1
-        if seq_ids:
-            states = [self.batch.seqs[s] for s in seq_ids]
-            grammar = None
-            if plan.grammar_bitmask is not None:  # computed while the forward ran
-                gb = plan.grammar_bitmask
-                row_of = {key: r for r, key in enumerate(zip(seq_ids, positions, strict=True))}
-                grammar = ([row_of[key] for key in zip(
-                    gb.seq_ids, gb.positions or [0] * len(gb.seq_ids), strict=True)],
-                    gb.pending.result())
-            meta = SamplingMetadata.from_params(
-                [s.params for s in states], histories,
-                [s.num_prompt_tokens for s in states], self.config.vocab_size,
-                indices=[s.index for s in states], device=self.device, grammar=grammar,
-            )
-            sample = take_rows(logits.sample, rows)
-            custom = None
-            procs = self.logits_processors
-            if procs:
-                procs.update(seq_ids, [s.params for s in states],
-                             [s.token_ids[: s.num_prompt_tokens] for s in states],
-                             [s.token_ids[s.num_prompt_tokens:] for s in states])
-
-                def custom(x: torch.Tensor) -> torch.Tensor:
-                    return procs.apply(x, meta.all_greedy)
-            result = self.sampler(sample, meta, custom)
-            if procs:
-                procs.record(seq_ids, result.sampled_token_ids)
-            tokens_of, logprobs_of = result.sampled_token_ids, result.logprobs
-            for seq_id, token, lp in zip(seq_ids, tokens_of, logprobs_of, strict=True):
+        rows = sampling_rows(plan, self.batch.seqs)
+        if rows.seq_ids:
+            result = self._run_sampler(plan, logits, rows)
+            for seq_id, token, lp in zip(rows.seq_ids, result.sampled_token_ids,
+                                         result.logprobs, strict=True):
                 out.sampled_token_ids[seq_id] = [token]
                 if lp is not None:
                     out.logprobs[seq_id] = [lp]
-            for chunk, first in spec:
-                seq_id, drafts = chunk.seq_id, chunk.draft_token_ids
-                kept = accept_drafts(drafts, tokens_of[first : first + len(drafts) + 1])
-                out.sampled_token_ids[seq_id] = kept
-                if logprobs_of[first] is not None:
-                    out.logprobs[seq_id] = logprobs_of[first : first + len(kept)]
-                # the runner knows the tokens whose K/V it wrote: the accepted drafts
-                self.batch.seqs[seq_id].token_ids.extend(drafts[: len(kept) - 1])
-                if self.drafter is not None:
-                    self.drafter.accepted(seq_id, chunk.context_len - 1, len(kept) - 1)
+            self._keep_accepted_drafts(rows, result, out)
+        self._prompt_logprobs(plan, logits, out)
+        return out
+
+    def _run_sampler(self, plan: StepPlan, logits: StepLogits,
+                     rows: SamplingRows) -> SamplerOutput:
+        """The sampler over the sampling rows, custom logits processors included."""
+        states = [self.batch.seqs[s] for s in rows.seq_ids]
+        meta = SamplingMetadata.from_params(
+            [s.params for s in states], rows.histories,
+            [s.num_prompt_tokens for s in states], self.config.vocab_size,
+            indices=[s.index for s in states], device=self.device,
+            grammar=grammar_rows(plan, rows),
+        )
+        sample = take_rows(logits.sample, rows.rows)
+        procs = self.logits_processors
+        if not procs:
+            return self.sampler(sample, meta, None)
+        procs.update(rows.seq_ids, [s.params for s in states],
+                     [s.token_ids[: s.num_prompt_tokens] for s in states],
+                     [s.token_ids[s.num_prompt_tokens:] for s in states])
+        result = self.sampler(sample, meta, lambda x: procs.apply(x, meta.all_greedy))
+        procs.record(rows.seq_ids, result.sampled_token_ids)
+        return result
+
+    def _keep_accepted_drafts(self, rows: SamplingRows, result: SamplerOutput,
+                              out: RunnerOutput) -> None:
+        """Per chunk with drafts: the drafts its samples agree with, then the first sample
+        that disagrees (model/spec/draft_acceptance.py)."""
+        tokens_of, logprobs_of = result.sampled_token_ids, result.logprobs
+        for chunk, first in rows.spec:
+            seq_id, drafts = chunk.seq_id, chunk.draft_token_ids
+            kept = accept_drafts(drafts, tokens_of[first : first + len(drafts) + 1])
+            out.sampled_token_ids[seq_id] = kept
+            if logprobs_of[first] is not None:
+                out.logprobs[seq_id] = logprobs_of[first : first + len(kept)]
+            # the runner knows the tokens whose K/V it wrote: the accepted drafts
+            self.batch.seqs[seq_id].token_ids.extend(drafts[: len(kept) - 1])
+            if self.drafter is not None:
+                self.drafter.accepted(seq_id, chunk.context_len - 1, len(kept) - 1)
+
+    def _prompt_logprobs(self, plan: StepPlan, logits: StepLogits, out: RunnerOutput) -> None:
         for chunk in plan.chunks:
             if chunk.prompt_logprobs:
                 state = self.batch.seqs[chunk.seq_id]
@@ -352,4 +335,3 @@ class ModelRunner:
                     compute_logprobs(logits.prompt[chunk.seq_id][: len(targets)], targets, k)
                     if targets else []
                 )
-        return out
