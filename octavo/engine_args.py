@@ -97,6 +97,13 @@ class EngineArgs:
     max_num_batched_tokens: int = _opt(
         2048, "tokens per engine step; longer prompts are prefilled in chunks",
         check=_at_least(1))
+    long_prefill_token_threshold: int = _opt(
+        0, "a prompt takes at most this many tokens of one step's budget (vLLM's name; 0: the "
+        "whole budget), so a long prefill cannot stretch the steps every decode waits for",
+        check=_at_least(0))
+    max_num_partial_prefills: int = _opt(
+        0, "prompts prefilled in the same step at most (vLLM's name; 0: as many as the budget "
+        "allows); the others wait, so the decodes' steps stay short", check=_at_least(0))
     preemption_mode: str = _opt("recompute", "what a preempted request gives up",
                                 choices=("recompute", "swap"))
     scheduling_policy: str = _opt("fcfs", "fcfs, or priority (lower value first)",
@@ -190,6 +197,8 @@ class EngineArgs:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
             scheduling_policy=self.scheduling_policy,

@@ -4,13 +4,17 @@ Two calls a step, around the runner: `schedule()` builds the StepPlan, `update_f
 takes what the runner sampled and moves the sequences on.
 
 Every step builds one batch under a token budget (``max_num_batched_tokens``) and a sequence cap
-(``max_num_seqs``): running requests first, in rank order (their decode tokens, or the next
-chunk of a prompt), then requests swapped out earlier, then waiting prompts, a long prompt split
-over several steps. When blocks run out, the lowest-ranked running request (last arrived, or
-lowest priority under the priority policy) is preempted: its blocks are freed and it is
-recomputed later (cached prefix blocks make that cheap), or its blocks are swapped out to the
-host pool and back in later. Under the priority policy a waiting request that outranks running
-ones is admitted before them, preempting the lowest-ranked until it fits.
+(``max_num_seqs``): running requests first, those decoding before those still in their prompt,
+each kind in rank order, then requests swapped out earlier, then waiting prompts, a long prompt
+split over several steps. Decodes first: a long prefill never takes the budget a decode needs,
+so every running stream gets its token each step. `long_prefill_token_threshold` caps one
+prompt's chunk per step and `max_num_partial_prefills` the prompts in one step (vLLM's names),
+which keeps steps short while prompts arrive: what protects time per output token. When blocks
+run out, the lowest-ranked running request (last arrived, or lowest priority under the priority
+policy) is preempted: its blocks are freed and it is recomputed later (cached prefix blocks make
+that cheap), or its blocks are swapped out to the host pool and back in later. Under the
+priority policy a waiting request that outranks running ones is admitted before them, preempting
+the lowest-ranked until it fits.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Scheduler:
         # requests that can never fit the KV cache, finished by schedule() and reported by the
         # next update_from_output (finish_reason "length")
         self._ignored: list[Request] = []
+        self._prefills_left = 0  # prompts this step may still take (see schedule)
         self.speculator = (None if config.speculative is None
                            else Speculator(config.speculative, config.max_model_len))
         if config.scheduling_policy == "priority":
@@ -137,10 +142,14 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
+        self._prefills_left = self.config.max_num_partial_prefills or len(self.waiting) + len(
+            self.running) + len(self.swapped) + 1
         preempted_before = self.num_preemptions
         priority = self.config.scheduling_policy == "priority"
         priority_preemptions = 0
-        for request in list(self.running):  # rank order; preemption takes from the tail
+        # decodes first, then prompts, each in rank order; preemption takes from the tail
+        decoding = [r for r in self.running if not self._in_prompt(r)]
+        for request in decoding + [r for r in self.running if self._in_prompt(r)]:
             if budget <= 0:
                 break
             if priority and request.status is RequestStatus.RUNNING:
@@ -166,14 +175,32 @@ class Scheduler:
         self.peak_running_seqs = max(self.peak_running_seqs, self.num_running_seqs)
         return plan
 
+    @staticmethod
+    def _in_prompt(request: Request) -> bool:
+        """Whether a running request still has more than its next token to compute (a prompt,
+        or the recomputation after a preemption)."""
+        return any(seq.num_new_tokens > 1 for seq in request.live_seqs)
+
+    def _prefill_chunk(self, num_new_tokens: int, budget: int) -> int:
+        """The tokens a prompt's chunk takes this step: its budget share, 0 when this step's
+        prompts are all taken (max_num_partial_prefills)."""
+        if num_new_tokens <= 1:
+            return min(num_new_tokens, budget)
+        if self._prefills_left <= 0:
+            return 0
+        limit = self.config.long_prefill_token_threshold
+        return min(num_new_tokens, budget, limit) if limit else min(num_new_tokens, budget)
+
     def _schedule_running(self, request: Request, plan: StepPlan, budget: int) -> int:
         slots: list[Slot] = []
         drafts: dict[int, tuple[list[int], int]] = {}
+        prompt = False
         for seq in request.live_seqs:
             left = budget - sum(s[2] for s in slots) - sum(d[1] for d in drafts.values())
-            n = min(seq.num_new_tokens, left)
+            n = self._prefill_chunk(seq.num_new_tokens, left)
             if n <= 0:
                 continue
+            prompt = prompt or n > 1
             start = seq.num_computed_tokens
             new = None
             draft = self._propose(seq, left - 1) if n == seq.num_new_tokens == 1 else ([], 0)
@@ -197,6 +224,8 @@ class Scheduler:
             slots.append((seq, start, n, new))
         for slot in slots:
             self._emit(request, *slot, plan, drafts.get(slot[0].seq_id))
+        if prompt and slots:
+            self._prefills_left -= 1
         return budget - sum(s[2] for s in slots) - sum(d[1] for d in drafts.values())
 
     def _propose(self, seq: Sequence, room: int) -> tuple[list[int], int]:
@@ -287,9 +316,13 @@ class Scheduler:
         max_seqs = max(len(request.live_seqs), request.max_seqs)
         if self.running and self._num_seq_slots() + max_seqs > self.config.max_num_seqs:
             return None
+        if self._prefills_left <= 0:  # this step's prompts are taken (max_num_partial_prefills)
+            return None
         slots = self._allocate(request, budget)
         if slots is None:
             return None
+        if any(n for _, _, n, _ in slots):
+            self._prefills_left -= 1
         assert self.waiting[0] is request
         self.waiting.pop(0)
         request.status = RequestStatus.RUNNING
@@ -309,6 +342,8 @@ class Scheduler:
             seq.reserve_tokens = reserve  # the contiguous baseline reserves it up front
             cached = self.kv.get_computed_blocks(seq) if use_cache else None
             n = min(len(seq.token_ids) - (cached.num_tokens if cached else 0), budget)
+            if self.config.long_prefill_token_threshold:
+                n = min(n, self.config.long_prefill_token_threshold)
             new = None
             if n > 0:
                 new = self.kv.allocate_slots(seq, n, cached)
