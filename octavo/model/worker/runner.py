@@ -35,19 +35,13 @@ from octavo.model.spec.self_draft import SelfDrafter
 from octavo.model.worker.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
 from octavo.model.worker.cuda_graphs import DecodeGraphs
 from octavo.model.worker.decode_stack import build_decode_stack
+from octavo.model.worker.device import bind_device
 from octavo.model.worker.input_batch import InputBatch
 from octavo.model.worker.profile_run import activation_peak
 from octavo.step_plan import RunnerOutput, SeqChunk, StepPlan
 
 __all__ = ["DTYPES", "ModelRunner", "load_model"]
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> torch.device:
-    d = torch.device(device)
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but no CUDA device is available")
-    return d
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -79,7 +73,7 @@ class ModelRunner:
         # what this rank's layers and KV cache hold (its heads and MLP units under TP)
         self.local_config = (ShardPlan(config, tp.rank, tp.size).local_config
                              if tp is not None and tp.size > 1 else config)
-        self.device = resolve_device(args.device)
+        self.device = bind_device(args.device)  # current before anything allocates
         isa, self.dtype_choice = resolve_isa_and_dtype(args.cpu_isa, args.dtype, config,
                                                        self.device)
         self.isa = isa or "none"
