@@ -11,9 +11,11 @@ Triton KV write skips), read one key and are never sampled. Steps with prefill c
 drafts, and batches above the largest bucket, run eagerly. `enforce_eager` turns graphs off.
 
 The graphs need the Triton backend (its KV write skips slot -1 and nothing in its decode path
-synchronises with the host). `capture` is the capturing strategy: `cuda_capture` on a GPU;
-the tests pass `eager_capture`, which replays the same forward over the same buffers eagerly,
-so the buffer, padding and bucket logic is checked on CPU.
+synchronises with the host), one rank, and MoE layers that route on the device (moe.py's
+`graph_safe`); `graphs_off_because` decides it once at start-up and the runner logs why.
+`capture` is the capturing strategy: `cuda_capture` on a GPU; the tests pass `eager_capture`
+on CPU, which replays the same forward over the same buffers eagerly, so the buffer, padding
+and bucket logic is checked there too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.moe import graph_safe
 from octavo.model.worker.input_batch import ModelInputs
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,23 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     if not sizes or sizes[-1] < top:
         sizes.append(top)
     return sizes
+
+
+def graphs_off_because(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                       backend: str, tp_size: int, enforce_eager: bool) -> str | None:
+    """Why decode steps of `model` run eagerly rather than from CUDA graphs, or None."""
+    if device.type != "cuda":
+        return "not on CUDA"
+    if enforce_eager:
+        return "enforce_eager"
+    if backend != "triton":
+        return f"attention_backend {backend} (graphs need Triton's, whose KV write skips slot -1)"
+    if tp_size > 1:
+        return "tensor parallelism"
+    if not graph_safe(model, device, dtype):
+        return (f"the MoE layers' per-expert matmuls read their group sizes on the host "
+                f"(torch's grouped_mm does not run for {dtype} on {device.type} here)")
+    return None
 
 
 def cuda_capture(fn: Callable[[], torch.Tensor], pool=None

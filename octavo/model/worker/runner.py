@@ -33,11 +33,11 @@ from octavo.model.spec.draft_acceptance import accept_drafts
 from octavo.model.spec.draft_model import DraftModelDrafter
 from octavo.model.spec.self_draft import SelfDrafter
 from octavo.model.worker.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
-from octavo.model.worker.cuda_graphs import DecodeGraphs
+from octavo.model.worker.cuda_graphs import DecodeGraphs, batch_buckets, graphs_off_because
 from octavo.model.worker.decode_stack import build_decode_stack
 from octavo.model.worker.device import bind_device
 from octavo.model.worker.input_batch import InputBatch
-from octavo.model.worker.profile_run import activation_peak
+from octavo.model.worker.profile_run import activation_peak, graph_pool_peak
 from octavo.step_plan import RunnerOutput, SeqChunk, StepPlan
 
 __all__ = ["DTYPES", "ModelRunner", "load_model"]
@@ -87,6 +87,12 @@ class ModelRunner:
                                 args.linear_backend, args.fused_ops, isa, tp,
                                 args.quantization, args.quantization_group_size)
         self.backend = get_backend(args.attention_backend, self.device, isa)
+        why = graphs_off_because(self.model, self.device, self.dtype, self.backend.name,
+                                 tp.size if tp is not None else 1, args.enforce_eager)
+        self.use_cuda_graphs = why is None  # decided once: size_kv_blocks and init_kv_cache
+        if self.device.type == "cuda":
+            logger.info("CUDA graphs for decode: %s", "on" if why is None else
+                        f"off, decode steps run eagerly ({why})")
         self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
@@ -157,12 +163,20 @@ class ModelRunner:
             extra = KVCache.bytes_per_block(self.drafter.config, self.block_size, self.dtype)
         return size_kv_blocks(self.args, self.local_config, self.dtype, self.device,
                               mem_get_info, extra_block_bytes=extra,
-                              activation_peak=self.profile_run)
+                              activation_peak=self.profile_run,
+                              graph_pool=self.graph_pool_run if self._wants_cuda_graphs()
+                              else None)
 
     def profile_run(self) -> int:
         """The largest step's activation peak on CUDA (profile_run.py; 0 elsewhere)."""
         return activation_peak(self.model, self.backend, self.args, self.local_config,
                                self.max_positions, self.dtype, self.device)
+
+    def graph_pool_run(self) -> int:
+        """What the decode CUDA graphs' memory pool will hold (profile_run.py; 0 off CUDA)."""
+        return graph_pool_peak(self.model, self.backend, self.local_config,
+                               batch_buckets(self.args.max_num_seqs)[-1], self.max_positions,
+                               self.block_size, self.dtype, self.device)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
@@ -183,10 +197,8 @@ class ModelRunner:
             self.graphs.capture_all()
 
     def _wants_cuda_graphs(self) -> bool:
-        """CUDA graphs for decode: on CUDA, with the Triton backend, one rank, unless
-        enforce_eager (cuda_graphs.py)."""
-        return (self.device.type == "cuda" and not self.args.enforce_eager
-                and self.backend.name == "triton" and (self.tp is None or self.tp.size == 1))
+        """CUDA graphs for decode (cuda_graphs.graphs_off_because, decided at start-up)."""
+        return self.use_cuda_graphs
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
