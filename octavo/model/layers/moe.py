@@ -32,7 +32,7 @@ from torch import nn
 
 from octavo.config import ModelConfig
 from octavo.model.layers.decoder import MLP
-from octavo.model.layers.weights import Put, Take
+from octavo.model.layers.weights import Put, Take, cat, stack
 
 
 @cache
@@ -170,11 +170,11 @@ def load_experts(src: str, dst: str, take: Take, put: Put, num_experts: int,
         put(f"{dst}down_proj", take(f"{src}experts.down_proj"))
         return
     gate, up, down = names
-    gate_up = [torch.cat([take(f"{src}experts.{e}.{gate}.weight"),
-                          take(f"{src}experts.{e}.{up}.weight")]) for e in range(num_experts)]
-    put(f"{dst}gate_up_proj", torch.stack(gate_up))
-    put(f"{dst}down_proj", torch.stack([take(f"{src}experts.{e}.{down}.weight")
-                                        for e in range(num_experts)]))
+    gate_up = [cat([take(f"{src}experts.{e}.{gate}.weight"),
+                    take(f"{src}experts.{e}.{up}.weight")]) for e in range(num_experts)]
+    put(f"{dst}gate_up_proj", stack(gate_up))
+    put(f"{dst}down_proj", stack([take(f"{src}experts.{e}.{down}.weight")
+                                  for e in range(num_experts)]))
 
 
 def graph_safe(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
