@@ -16,3 +16,11 @@ from pathlib import Path
 def cache_dir() -> Path:
     """`$OCTAVO_CACHE` (default ~/.cache/octavo): converted models, compiled CPU ops."""
     return Path(os.environ.get("OCTAVO_CACHE", Path.home() / ".cache" / "octavo"))
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """`$CUDA_VISIBLE_DEVICES` as a list of device ids (None: unset, every GPU is visible)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [d.strip() for d in value.split(",") if d.strip()]
