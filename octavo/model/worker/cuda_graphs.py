@@ -7,8 +7,11 @@ buffers: token ids, positions, and per KV cache group the slot mapping, the bloc
 (max_model_len / block_size wide), the context lengths and, for sliding groups, the position of
 each table's first entry. A step copies its inputs into the buffers, pads its batch up to the
 bucket and replays the bucket's graph; the padded rows write nothing (slot -1, which the
-Triton KV write skips), read one key and are never sampled. Steps with prefill chunks or
-drafts, and batches above the largest bucket, run eagerly. `enforce_eager` turns graphs off.
+Triton KV write skips), read one key and are never sampled. Every graph writes its logits into
+one shared buffer, so their common memory pool holds only the intermediate tensors of the
+largest bucket's forward (profile_run.graph_pool_peak sizes it before the KV cache). Steps
+with prefill chunks or drafts, and batches above the largest bucket, run eagerly.
+`enforce_eager` turns graphs off.
 
 The graphs need the Triton backend (its KV write skips slot -1 and nothing in its decode path
 synchronises with the host), one rank, and MoE layers that route on the device (moe.py's
@@ -106,6 +109,11 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(top, **long)
         self.positions = torch.zeros(top, **long)
         self.rows = torch.arange(top, **long)
+        # every bucket's logits land here: a graph's own output would stay in the pool for as
+        # long as the graph lives, one [bucket, vocab] fp32 tensor per bucket (760 MB at 256
+        # sequences of a 49k vocabulary); copied out, the pool holds the largest step's peak
+        self.logits = torch.empty(top, model.config.vocab_size, dtype=torch.float32,
+                                  device=device)
         self.groups = [_GroupBuffers(torch.full((top,), -1, **long),
                                      torch.zeros(top, self.width, **long),
                                      torch.ones(top, **long),
@@ -131,8 +139,11 @@ class DecodeGraphs:
                  for g in self.groups]
         ids, pos, rows = self.input_ids[:size], self.positions[:size], self.rows[:size]
 
+        out = self.logits[:size]
+
         def forward() -> torch.Tensor:
-            return self.model(ids, pos, self.kv_cache, metas, self.backend, rows)
+            out.copy_(self.model(ids, pos, self.kv_cache, metas, self.backend, rows))
+            return out
         return forward
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:

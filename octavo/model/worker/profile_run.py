@@ -8,10 +8,11 @@ the KV cache, measured before the cache exists, so that gpu_memory_utilization c
   the vocabulary, not only its last) and their log-softmax, and the sampler's largest
   temporaries over max_num_seqs rows (the float32 copy it edits, probabilities, their sort for
   top-p / top-k);
-- `graph_pool_peak`: the memory pool of the decode CUDA graphs (cuda_graphs.py), which keeps
-  the intermediate tensors of the largest bucket's forward for as long as the graphs live
-  (every bucket shares it, the largest captured first): the activation peak of a decode step of
-  that many sequences, over block tables as wide as the graphs' buffers.
+- `graph_pool_peak`: what the decode CUDA graphs (cuda_graphs.py) keep for as long as they
+  live: their memory pool, which holds the intermediate tensors of the largest bucket's forward
+  (every bucket shares it, the largest captured first), i.e. the activation peak of a decode
+  step of that many sequences over block tables as wide as the graphs' buffers, plus the
+  fp32 logits buffer every bucket writes into.
 
 Both run through the model over a throw-away cache just big enough for them; on CPU they run
 all the same and measure nothing (0), which is how the tests check them.
@@ -139,6 +140,9 @@ def graph_pool_peak(model: nn.Module, backend: AttentionBackend, config: ModelCo
 
     peak = measured(device, inputs())
     release(device)
-    logger.info("CUDA graph pool: a decode step of %d sequences peaks at %.1f MiB", batch,
-                peak / 2**20)
-    return peak
+    if device.type != "cuda":
+        return 0
+    logits = batch * config.vocab_size * 4
+    logger.info("CUDA graphs: a decode step of %d sequences peaks at %.1f MiB, their logits "
+                "buffer takes %.1f MiB", batch, peak / 2**20, logits / 2**20)
+    return peak + logits
