@@ -38,7 +38,9 @@ pytestmark = pytest.mark.skipif(
     not ON_CUDA, reason="needs a CUDA device: OCTAVO_TEST_DEVICE=cuda (scripts/gpu_check.sh)")
 
 MAX_TOKENS = test_families.MAX_TOKENS
-OPTIONS = {"graphs": {}, "eager": {"enforce_eager": True},
+# explicit caches: gpu_memory_utilization would give a tiny model millions of blocks (its own
+# test below sizes from it without building the engine)
+OPTIONS = {"graphs": {"num_kv_blocks": 512}, "eager": {"enforce_eager": True, "num_kv_blocks": 512},
            "preempt-chunked-cache": {"num_kv_blocks": 24, "max_num_batched_tokens": 48,
                                      "enable_prefix_caching": True}}
 BUILDERS = {"llama": lambda p: test_families.build(p, "mistral-full"),
@@ -91,19 +93,21 @@ def test_greedy_equals_transformers_up_to_near_ties(family, options, capsys) -> 
     close(llm)
 
 
-@pytest.mark.skipif(ON_CUDA and not grouped_mm_usable("cuda", torch.bfloat16),
-                    reason="torch's grouped_mm does not run in bf16 on this GPU")
 def test_moe_decode_steps_replay_from_graphs_in_bf16(tmp_path) -> None:
     """Routing that reads nothing back to the host is captured (a host sync inside the
     capture would raise) and replays HF's bf16 tokens, up to bf16's near-ties."""
     from transformers import AutoModelForCausalLM
+
+    if not grouped_mm_usable("cuda", torch.bfloat16):
+        pytest.skip("torch's grouped_mm does not run in bf16 on this GPU")
 
     path = test_moe.build(tmp_path / "mixtral", "mixtral")
     ps = test_families.prompts()[:4]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
     ref = hf_reference(model, ps, MAX_TOKENS)
     del model
-    llm = LLM(model=str(path), device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=8)
+    llm = LLM(model=str(path), device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=8,
+              num_kv_blocks=256)
     runner = llm.engine.executor.runner
     assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 8]
     tokens, logprobs = run(llm, ps)
@@ -119,7 +123,7 @@ def test_graph_memory_stays_within_what_sizing_set_aside(tmp_path, capsys) -> No
     allocator's segment rounding and the cuBLAS workspace of the capture stream."""
     path = test_families.build(tmp_path / "llama", "mistral-full")
     llm = LLM(model=str(path), device="cuda", dtype="float32", block_size=16, max_num_seqs=64,
-              enforce_eager=True)
+              enforce_eager=True, num_kv_blocks=256)
     runner = llm.engine.executor.runner
     estimate = runner.graph_pool_run()
     torch.cuda.synchronize()
@@ -139,6 +143,24 @@ def test_graph_memory_stays_within_what_sizing_set_aside(tmp_path, capsys) -> No
     close(llm)
 
 
+def test_kv_sizing_from_gpu_memory_utilization(tmp_path) -> None:
+    """The KV budget from the device's memory: the utilization's share of the total, less
+    what is in use, the profile run's peak and the graph pool (both measured, so > 0)."""
+    from octavo.config import ModelConfig
+    from octavo.engine_args import EngineArgs
+    from octavo.model.worker.runner import ModelRunner
+
+    path = test_families.build(tmp_path / "llama", "mistral-full")
+    runner = ModelRunner(EngineArgs(device="cuda", dtype="float32", gpu_memory_utilization=0.5),
+                         path, ModelConfig.from_dir(path))
+    assert runner.use_cuda_graphs
+    assert runner.profile_run() > 0 and runner.graph_pool_run() > 0
+    free, total = torch.cuda.mem_get_info()
+    counts = runner.size_kv_blocks()
+    assert 0 < counts.num_blocks * counts.block_bytes < 0.5 * total - (total - free)
+    assert counts.num_host_blocks == 0
+
+
 @pytest.fixture(scope="module")
 def embedded(request):
     """The embedded model's directory, where its package is installed."""
@@ -152,7 +174,7 @@ def test_embedded_model_up_to_near_ties(embedded) -> None:
 
     ps = exactness_prompts(embedded)
     ref = hf_reference_from_dir(embedded, ps, MAX_TOKENS)
-    llm = LLM(device="cuda", dtype="float32", block_size=16)
+    llm = LLM(device="cuda", dtype="float32", block_size=16, kv_cache_memory_bytes=4 << 30)
     tokens, logprobs = run(llm, ps)
     check_greedy(tokens, ref, exact=False, got_logprobs=logprobs)
     assert llm.engine.executor.runner.graphs.replays > 0
