@@ -154,10 +154,16 @@ def test_kv_sizing_from_gpu_memory_utilization(tmp_path) -> None:
     runner = ModelRunner(EngineArgs(device="cuda", dtype="float32", gpu_memory_utilization=0.5),
                          path, ModelConfig.from_dir(path))
     assert runner.use_cuda_graphs
-    assert runner.profile_run() > 0 and runner.graph_pool_run() > 0
-    free, total = torch.cuda.mem_get_info()
-    counts = runner.size_kv_blocks()
-    assert 0 < counts.num_blocks * counts.block_bytes < 0.5 * total - (total - free)
+    seen: dict[str, int | tuple[int, int]] = {}
+    profile, pool = runner.profile_run, runner.graph_pool_run
+    runner.profile_run = lambda: seen.setdefault("peak", profile())
+    runner.graph_pool_run = lambda: seen.setdefault("pool", pool())
+    counts = runner.size_kv_blocks(
+        mem_get_info=lambda d: seen.setdefault("info", torch.cuda.mem_get_info(d)))
+    free, total = seen["info"]
+    assert seen["peak"] > 0 and seen["pool"] > 0
+    budget = int(total * 0.5) - (total - free) - seen["peak"] - seen["pool"]
+    assert counts.num_blocks == budget // counts.block_bytes > 0
     assert counts.num_host_blocks == 0
 
 

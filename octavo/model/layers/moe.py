@@ -50,7 +50,7 @@ def grouped_mm_usable(device_type: str, dtype: torch.dtype) -> bool:
             got = fn(x, w.transpose(-2, -1), offs=offs)
             want = torch.cat([F.linear(x[:2], w[0]), F.linear(x[2:], w[2])])
         return bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+    except Exception:  # whatever a device or build without it raises: the fallback runs
         return False
 
 

@@ -75,12 +75,17 @@ def test_steps_that_cannot_replay_run_eagerly(tiny_llama_dir) -> None:
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     eager = LLM(str(tiny_llama_dir), block_size=16, num_kv_blocks=64, **TRITON)
     assert eager.engine.executor.runner.graphs is None
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
+    ids = [list(range(3, 3 + n)) for n in (5, 17, 30)]
+    ref = hf_reference_from_dir(tiny_llama_dir, ids, 4)
+    prompts = [{"prompt_token_ids": p} for p in ids]
     for batch in (prompts[:1], prompts):  # one sequence; three (above the largest bucket)
         seen.clear()
         got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
         want = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
-        assert got == want
+        # graphs and eager agree with HF (on CUDA up to near-ties: their attention splits
+        # differ, the graphs' tables being max_model_len wide)
+        for tokens in (got, want):
+            check_greedy(tokens, ref.pick(list(range(len(batch)))), exact=not ON_CUDA)
         assert seen[0] is None  # the prefill step
         assert set(seen[1:]) == ({1} if len(batch) == 1 else {None})
     assert runner.kernel_path()["cuda_graphs"] == "decode batches <= 2"
