@@ -115,23 +115,23 @@ XDIST=$("${PY[@]}" -c 'import importlib.util as u; print("-n 8" if u.find_spec("
 # step name | time limit (s) | modules it needs | command. The limits add up to 430 s: with the
 # machine and package checks and the summary, the check ends within 8 minutes.
 STEP_MODEL=(model 60 "transformers tokenizers safetensors"
-  "${PY[*]} -m tests.gpu.random_model OUT/model --shape smollm2")
+  "${PY[*]} -m tests.gpu.random_model @OUT@/model --shape smollm2")
 STEP_TESTS=(tests 230 "triton transformers tokenizers safetensors numpy pytest"
-  "OCTAVO_TEST_DEVICE=cuda ${PY[*]} -m pytest -q -p no:cacheprovider -rs ${XDIST:+$XDIST }--junitxml=OUT/tests.xml ${TEST_FILES[*]}")
+  "OCTAVO_TEST_DEVICE=cuda ${PY[*]} -m pytest -q -p no:cacheprovider -rs ${XDIST:+$XDIST }--junitxml=@OUT@/tests.xml ${TEST_FILES[*]}")
 STEP_BENCH=(bench 140 "triton transformers tokenizers safetensors numpy tqdm matplotlib"
-  "${PY[*]} -m octavo.cli bench gpu --quick --model OUT/model --dtype bfloat16 --out OUT")
+  "${PY[*]} -m octavo.cli bench gpu --quick --model @OUT@/model --dtype bfloat16 --out @OUT@")
 STEPS=(STEP_MODEL STEP_TESTS STEP_BENCH)
 if ((DRY)); then
   echo "== dry run: nothing runs; on a GPU the check would run, in order:"
   echo "  machine: nvidia-smi -L; ${PY[*]} -c 'import torch; torch.cuda.is_available()'"
   if ((${#ABSENT[@]})); then
-    echo "  packages: ${PY[*]} -m pip install --no-index --no-deps --target OUT/site <wheels>"
+    echo "  packages: ${PY[*]} -m pip install --no-index --no-deps --target $OUT/site <the wheels above>"
   else
     echo "  packages: nothing to install"
   fi
   for s in "${STEPS[@]}"; do
     declare -n step=$s
-    echo "  ${step[0]} (limit ${step[1]} s; needs ${step[2]}): ${step[3]//OUT/$OUT}"
+    echo "  ${step[0]} (limit ${step[1]} s; needs ${step[2]}): ${step[3]//@OUT@/$OUT}"
   done
   [[ -z $XDIST ]] && echo "  (pytest-xdist is not installed here: the tests would run in one" \
     "process, slower on a fresh GPU machine)"
@@ -192,7 +192,7 @@ for s in "${STEPS[@]}"; do
     printf '%s\tskipped\t0\tmissing: %s\n' "$name" "${lacking[*]}" >> "$OUT/steps.tsv"
     continue
   fi
-  cmd=${step[3]//OUT/$OUT}
+  cmd=${step[3]//@OUT@/$OUT}
   echo "== $name (limit $limit s): $cmd"
   t0=$(date +%s)
   # SIGINT first: pytest then writes the results it has (junitxml) before it exits
