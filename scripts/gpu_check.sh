@@ -112,13 +112,13 @@ EOF
 # the tests in 8 processes where pytest-xdist is installed: Triton compiles each kernel variant
 # of the grid once per process, and compiling is most of their time on a fresh machine
 XDIST=$("${PY[@]}" -c 'import importlib.util as u; print("-n 8" if u.find_spec("xdist") else "")')
-# step name | time limit (s) | modules it needs | command. The limits add up to 430 s: with the
+# step name | time limit (s) | modules it needs | command. The limits add up to 440 s: with the
 # machine and package checks and the summary, the check ends within 8 minutes.
-STEP_MODEL=(model 60 "transformers tokenizers safetensors"
+STEP_MODEL=(model 90 "transformers tokenizers safetensors"
   "${PY[*]} -m tests.gpu.random_model @OUT@/model --shape smollm2")
-STEP_TESTS=(tests 230 "triton transformers tokenizers safetensors numpy pytest"
+STEP_TESTS=(tests 220 "triton transformers tokenizers safetensors numpy pytest"
   "OCTAVO_TEST_DEVICE=cuda ${PY[*]} -m pytest -q -p no:cacheprovider -rs ${XDIST:+$XDIST }--junitxml=@OUT@/tests.xml ${TEST_FILES[*]}")
-STEP_BENCH=(bench 140 "triton transformers tokenizers safetensors numpy tqdm matplotlib"
+STEP_BENCH=(bench 130 "triton transformers tokenizers safetensors numpy tqdm matplotlib"
   "${PY[*]} -m octavo.cli bench gpu --quick --model @OUT@/model --dtype bfloat16 --out @OUT@")
 STEPS=(STEP_MODEL STEP_TESTS STEP_BENCH)
 if ((DRY)); then

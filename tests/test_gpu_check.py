@@ -24,7 +24,7 @@ def test_the_dry_run_lists_every_step_and_finds_what_they_need(tmp_path) -> None
     done = dry_run(tmp_path, sys.executable, tmp_path / "no-wheels")
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    for step in ("model (limit 60 s", "tests (limit 230 s", "bench (limit 140 s"):
+    for step in ("model (limit 90 s", "tests (limit 220 s", "bench (limit 130 s"):
         assert step in out
     assert "OCTAVO_TEST_DEVICE=cuda" in out and "tests/gpu" in out
     assert "octavo.cli bench gpu --quick" in out
