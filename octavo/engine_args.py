@@ -83,8 +83,9 @@ class EngineArgs:
     gpu_memory_utilization: float = _opt(
         0.9, "share of the GPU's memory the engine may use, weights included", check=_fraction)
     swap_space: float | None = _opt(
-        None, "host memory for swapped-out KV blocks, GiB (default: as many host blocks as "
-        "device blocks with preemption_mode=swap, else none)", check=_at_least(0))
+        None, "host memory for swapped-out KV blocks, GiB (default with preemption_mode=swap: "
+        "4, as vLLM, and at most as many blocks as the device has; else none)",
+        check=_at_least(0))
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of identical prompt prefixes")
     kv_allocator: str = _opt(
         "paged", "paged, or the contiguous reserve-up-front baseline (for benchmarks)",

@@ -55,9 +55,9 @@ def resolve_kernels(setting: str, choice: str | None, device: torch.device) -> s
         raise ValueError(f"{setting}='cpu' runs on CPU only")
     if choice in ("cpu", "torch"):
         return choice
-    from octavo.model.kernels.triton import triton_missing  # without a GPU: the interpreter
+    from octavo.model.kernels.triton import triton_missing  # CPU tensors: the interpreter
 
-    problem = triton_missing()
+    problem = triton_missing(device.type)
     if choice == "auto":
         return "triton" if device.type == "cuda" and problem is None else "torch"
     if problem is not None:

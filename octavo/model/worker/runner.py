@@ -34,22 +34,16 @@ from octavo.model.spec.draft_acceptance import accept_drafts
 from octavo.model.spec.draft_model import DraftModelDrafter
 from octavo.model.spec.self_draft import SelfDrafter
 from octavo.model.worker.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
-from octavo.model.worker.cuda_graphs import DecodeGraphs
+from octavo.model.worker.cuda_graphs import DecodeGraphs, batch_buckets, graphs_off_because
 from octavo.model.worker.decode_stack import build_decode_stack
+from octavo.model.worker.device import bind_device
 from octavo.model.worker.input_batch import InputBatch
-from octavo.model.worker.profile_run import activation_peak
+from octavo.model.worker.profile_run import activation_peak, graph_pool_peak
 from octavo.model.worker.sampling_rows import SamplingRows, grammar_rows, sampling_rows
 from octavo.step_plan import RunnerOutput, StepPlan
 
 __all__ = ["DTYPES", "ModelRunner", "load_model"]
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> torch.device:
-    d = torch.device(device)
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but no CUDA device is available")
-    return d
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -81,7 +75,7 @@ class ModelRunner:
         # what this rank's layers and KV cache hold (its heads and MLP units under TP)
         self.local_config = (ShardPlan(config, tp.rank, tp.size).local_config
                              if tp is not None and tp.size > 1 else config)
-        self.device = resolve_device(args.device)
+        self.device = bind_device(args.device)  # current before anything allocates
         # every `auto` kernel choice, resolved once (model/kernel_config.py)
         self.kernels, self.dtype_choice = resolve_kernel_config(
             args, config, self.device, tp.size if tp is not None else 1)
@@ -98,6 +92,13 @@ class ModelRunner:
                                 args.quantization, args.quantization_group_size,
                                 args.packed_gemv_rows)
         self.backend = get_backend(self.kernels.attention, self.device, isa)
+        why = graphs_off_because(self.model, self.device, self.dtype, self.backend.name,
+                                 tp.size if tp is not None else 1, args.enforce_eager)
+        # decided once: size_kv_blocks and init_kv_cache read it
+        self.use_cuda_graphs = self.kernels.cuda_graphs and why is None
+        if self.device.type == "cuda":
+            logger.info("CUDA graphs for decode: %s", "on" if self.use_cuda_graphs else
+                        f"off, decode steps run eagerly ({why or 'not asked for'})")
         self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
@@ -170,12 +171,20 @@ class ModelRunner:
             extra = KVCache.bytes_per_block(self.drafter.config, self.block_size, self.dtype)
         return size_kv_blocks(self.args, self.local_config, self.dtype, self.device,
                               mem_get_info, extra_block_bytes=extra,
-                              activation_peak=self.profile_run)
+                              activation_peak=self.profile_run,
+                              graph_pool=self.graph_pool_run if self._wants_cuda_graphs()
+                              else None)
 
     def profile_run(self) -> int:
         """The largest step's activation peak on CUDA (profile_run.py; 0 elsewhere)."""
         return activation_peak(self.model, self.backend, self.args, self.local_config,
                                self.max_positions, self.dtype, self.device)
+
+    def graph_pool_run(self) -> int:
+        """What the decode CUDA graphs' memory pool will hold (profile_run.py; 0 off CUDA)."""
+        return graph_pool_peak(self.model, self.backend, self.local_config,
+                               batch_buckets(self.args.max_num_seqs)[-1], self.max_positions,
+                               self.block_size, self.dtype, self.device)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
@@ -197,9 +206,8 @@ class ModelRunner:
             self.graphs.capture_all()
 
     def _wants_cuda_graphs(self) -> bool:
-        """CUDA graphs for decode: on CUDA, with the Triton backend, one rank, unless
-        enforce_eager (cuda_graphs.py)."""
-        return self.kernels.cuda_graphs and self.backend.name == "triton"
+        """CUDA graphs for decode (cuda_graphs.graphs_off_because, decided at start-up)."""
+        return self.use_cuda_graphs
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
