@@ -7,9 +7,9 @@ block weights (their tiled path is Python's).
 
 It applies to the plain pre-norm Llama layer (Llama, Mistral/Qwen2 without sliding layers,
 SmolLM2, ...) on CPU with octavo's compiled ops and paged-decode kernel, whatever the linear
-layers are (oneDNN-packed fp32/bf16, int8, 4/8-bit blocks, plain); any other layer (Qwen3's
-q/k norms, Gemma's, MoE, sliding windows, soft caps), tensor parallelism or a hook on a
-module keeps the Python path. OCTAVO_DECODE_STACK=0 turns it off (the benchmarks' A/B).
+layers are (oneDNN-packed fp32/bf16, int8, 4/8-bit blocks, GGUF K-quant super-blocks, plain);
+any other layer (Qwen3's q/k norms, Gemma's, MoE, sliding windows, soft caps), tensor
+parallelism or a hook on a module keeps the Python path. OCTAVO_DECODE_STACK=0 turns it off (the benchmarks' A/B).
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ from octavo.model.quant.quantization import Int8Linear
 
 logger = logging.getLogger(__name__)
 ENV_VAR = "OCTAVO_DECODE_STACK"
-BLOCK, ONEDNN, INT8, PLAIN = 0, 1, 2, 3
+BLOCK, ONEDNN, INT8, PLAIN, KQUANT = 0, 1, 2, 3, 4
 
 
 def _linear_spec(m: nn.Module) -> tuple | None:
     """(type, tensors, bias, kind, group, int8_activations[, packed_gemv's arguments]) for the
     C++ loop, or None."""
+    if isinstance(m, BlockQuantLinear) and m.ops is not None and m.fmt.kquant:
+        return (KQUANT, [m.q], m.bias, m.fmt.kind, m.fmt.group, True)
     if isinstance(m, BlockQuantLinear) and m.ops is not None:
         tensors = [m.q, m.scale] + ([m.mins] if m.mins is not None else [])
         return (BLOCK, tensors, m.bias, m.fmt.kind, m.fmt.group, m.fmt.int8_activations)

@@ -14,12 +14,12 @@
 
 namespace {
 
-enum LinearType : int64_t { kBlock = 0, kOneDNN = 1, kInt8 = 2, kPlain = 3 };
+enum LinearType : int64_t { kBlock = 0, kOneDNN = 1, kInt8 = 2, kPlain = 3, kKQuant = 4 };
 
 struct Linear {
   int64_t type;
   std::vector<at::Tensor> t;  // block: q, scale[, mins]; onednn: packed; int8: q, scale;
-                              // plain: weight
+                              // plain: weight; kquant: the super-blocks
   c10::optional<at::Tensor> bias;
   int64_t kind = 0, group = 32;
   bool int8_activations = false;
@@ -48,6 +48,8 @@ struct Linear {
       }
       case kInt8:
         return int8_linear(x, t[0], t[1], bias);
+      case kKQuant:
+        return kquant_linear(x, kind, t[0], bias);
       default:
         return at::linear(x, t[0], bias);
     }
@@ -74,7 +76,7 @@ class DecodeStack {
   static Linear make_linear(int64_t type, std::vector<at::Tensor> tensors,
                             c10::optional<at::Tensor> bias, int64_t kind, int64_t group,
                             bool int8_activations) {
-    TORCH_CHECK(type >= kBlock && type <= kPlain, "unknown linear type ", type);
+    TORCH_CHECK(type >= kBlock && type <= kKQuant, "unknown linear type ", type);
     TORCH_CHECK(!tensors.empty(), "a linear layer needs its weight");
     return Linear{type, std::move(tensors), std::move(bias), kind, group, int8_activations};
   }
