@@ -9,7 +9,8 @@ It applies to the plain pre-norm Llama layer (Llama, Mistral/Qwen2 without slidi
 SmolLM2, ...) on CPU with octavo's compiled ops and paged-decode kernel, whatever the linear
 layers are (oneDNN-packed fp32/bf16, int8, 4/8-bit blocks, GGUF K-quant super-blocks, plain);
 any other layer (Qwen3's q/k norms, Gemma's, MoE, sliding windows, soft caps), tensor
-parallelism or a hook on a module keeps the Python path. OCTAVO_DECODE_STACK=0 turns it off (the benchmarks' A/B).
+parallelism or a hook on a module keeps the Python path. OCTAVO_DECODE_STACK=0 turns it off
+(the benchmarks' A/B).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""quantization="gguf" (model/quant/gguf_weights.py): a GGUF file's Q4_0 / Q4_1 / Q8_0 weights kept
+"""quantization="gguf" (model/quant/gguf_weights.py, gguf_blocks.py): a GGUF file's Q4_0 / Q4_1 /
+Q8_0 weights kept
 in their blocks. The key check: every block layer widens to exactly the fp32 weight the loader got
 by dequantizing the same file through transformers (rows unpermuted, q/k/v and gate/up
 concatenated), on the embedded default model (Q4_1, its LM head tied to a Q8_0 embedding) and
@@ -17,13 +18,8 @@ from octavo.config import ModelConfig
 from octavo.model import sources
 from octavo.model.kernels.cpu_ops import load_cpu_ops
 from octavo.model.quant.block_quant import INT4, INT8, BlockQuantLinear, dequantize
-from octavo.model.quant.gguf_weights import (
-    FORMATS,
-    GGUFBlocks,
-    _planes,
-    _unpermute_rows,
-    apply_gguf_blocks,
-)
+from octavo.model.quant.gguf_blocks import FORMATS, _planes
+from octavo.model.quant.gguf_weights import GGUFBlocks, _unpermute_rows, apply_gguf_blocks
 from octavo.model.quant.quantization import weight_bytes
 from octavo.model.sources import find_embedded_gguf, gguf_source
 from octavo.model.worker.runner import load_model
@@ -285,7 +281,8 @@ def test_gguf_without_block_tensors_or_of_another_architecture(tiny_llama_dir, t
     from tests.model.test_gguf_models import write_header_only_gguf, write_llama_gguf
 
     f32 = write_llama_gguf(tiny_llama_dir, tmp_path / "f32.gguf")
-    with pytest.raises(ValueError, match="has no Q4_0, Q4_1 or Q8_0 linear weights"):
+    with pytest.raises(ValueError, match="has no Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K linear "
+                                         "weights"):
         LLM(str(f32), quantization="gguf", num_kv_blocks=16)
     other = write_header_only_gguf(tmp_path / "gemma.gguf", "gemma3")
     with pytest.raises(ValueError, match="architecture 'llama'.*is 'gemma3'"):
