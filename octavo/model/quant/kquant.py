@@ -91,6 +91,25 @@ def in_features(kind: int, q: torch.Tensor) -> int:
     return row_bytes // BLOCK_BYTES[kind] * SUPER_BLOCK
 
 
+def random_blocks(kind: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, k / 256 * bytes] valid super-blocks of random bytes whose float16 scales (d, and
+    dmin) are drawn in [1e-4, 1e-3]: every code, sub-block scale and min pattern occurs, and no
+    scale is a NaN, an infinity or a subnormal (the benchmarks' and the tests' weights)."""
+    nb, size = k // SUPER_BLOCK, BLOCK_BYTES[kind]
+    raw = torch.randint(0, 256, (n, nb, size), dtype=torch.uint8, generator=gen)
+
+    def scales() -> torch.Tensor:
+        d = torch.empty(n, nb).uniform_(1e-4, 1e-3, generator=gen).half()
+        return d.view(torch.uint8).reshape(n, nb, 2)
+
+    if kind == Q6_K:
+        raw[..., 208:210] = scales()
+    else:
+        raw[..., 0:2] = scales()
+        raw[..., 2:4] = scales()
+    return raw.reshape(n, nb * size)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as the kernels quantize it, per 256: (xq int8 [M, K], d float32 [M, K/256]),
     x ~ xq * d with d = max |x| / 127 and xq = round(x * (127 / max |x|)) (a true division,

@@ -1,11 +1,12 @@
-"""K-quant super-blocks for tests: random valid ones, and a plain quantizer (gguf-py has none for
-Q4_K / Q5_K / Q6_K) that turns fp32 weights into them so that a tiny model keeps its behaviour.
-The quantizer is simple (min/max per sub-block, not llama.cpp's search); what matters here is
-that the bytes are valid super-blocks whose dequantization is close to the weights."""
+"""K-quant super-blocks for tests: random valid ones (numpy), and a plain quantizer (gguf-py has
+none for Q4_K / Q5_K / Q6_K) that turns fp32 weights into them, so that a tiny model keeps its
+behaviour. The quantizer is simple (min/max per sub-block, not llama.cpp's search); what matters
+here is that the bytes are valid super-blocks whose dequantization is close to the weights."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from octavo.model.quant import kquant
 
@@ -17,17 +18,9 @@ def _f16(a: np.ndarray) -> np.ndarray:
 
 
 def random_blocks(kind: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, k / 256 * bytes] random bytes with float16 scales of a plausible size (1e-4..1e-3,
-    dmin too): every code, scale and min pattern occurs."""
-    nb, size = k // 256, kquant.BLOCK_BYTES[kind]
-    raw = rng.integers(0, 256, (n, nb, size), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, (n, nb))
-    if kind == kquant.Q6_K:
-        raw[..., 208:210] = _f16(d)
-    else:
-        raw[..., 0:2] = _f16(d)
-        raw[..., 2:4] = _f16(rng.uniform(1e-4, 1e-3, (n, nb)))
-    return raw.reshape(n, nb * size)
+    """kquant.random_blocks, seeded from `rng`, as numpy."""
+    gen = torch.Generator().manual_seed(int(rng.integers(0, 2**31)))
+    return kquant.random_blocks(kind, n, k, gen).numpy()
 
 
 def _pack_scales_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:

@@ -1,10 +1,10 @@
 """quantization="gguf" (model/quant/gguf_weights.py, gguf_blocks.py): a GGUF file's Q4_0 / Q4_1 /
-Q8_0 weights kept
-in their blocks. The key check: every block layer widens to exactly the fp32 weight the loader got
-by dequantizing the same file through transformers (rows unpermuted, q/k/v and gate/up
-concatenated), on the embedded default model (Q4_1, its LM head tied to a Q8_0 embedding) and
-on a tiny GGUF written here with Q4_0, Q4_1 and Q8_0 tensors; then the engine on both, the
-errors, and the block parsing against GGUF's formulas on hand-made bytes."""
+Q8_0 weights kept in their blocks (the K-quants: test_kquant.py). The key check: every block
+layer widens to exactly the fp32 weight the loader got by dequantizing the same file through
+transformers (rows unpermuted, q/k/v and gate/up concatenated), on the embedded default model
+(Q4_1, its LM head tied to a Q8_0 embedding) and on a tiny GGUF written here with Q4_0, Q4_1
+and Q8_0 tensors; then the engine on both, the errors, and the block parsing against GGUF's
+formulas on hand-made bytes."""
 
 from __future__ import annotations
 
