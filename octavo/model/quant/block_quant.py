@@ -21,7 +21,10 @@ beyond the order of fp32 sums.
 
 GGUF's K-quants (Q4_K, Q5_K, Q6_K; kquant.py) are held as the file's super-blocks of 256, one
 uint8 tensor per layer, and computed by csrc/kquant_linear.cpp on integer dot products against
-activations quantized per 256; their large batches take the same widened tiles.
+activations quantized per 256, at every batch size: at prefill sizes that kernel measured at or
+above the widened tiles + oneDNN fp32 GEMM (`octavo bench kquant`; BENCHMARKS.md), and with it a
+row's result does not depend on the batch it is computed in at all. `_tiled` still widens them
+(the benchmark's comparison).
 """
 
 from __future__ import annotations
@@ -210,7 +213,7 @@ class BlockQuantLinear(nn.Module):
             elif self.fmt.int8_activations:
                 xin = quantize_activations(xin)
             out = F.linear(xin, self.dequantized_weight(), self.bias).to(x.dtype)
-        elif x2.shape[0] <= SMALL_BATCH and self.fmt.kquant:
+        elif self.fmt.kquant:
             out = self.ops.kquant_linear(x2.contiguous(), self.fmt.kind, self.q, self.bias)
         elif x2.shape[0] <= SMALL_BATCH:
             out = self.ops.block_linear(x2.contiguous(), self.fmt.kind, self.q, self.scale,

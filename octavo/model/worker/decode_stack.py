@@ -3,7 +3,7 @@ runs every decoder layer of a step whose rows are all single-token decodes in on
 calling the same compiled kernels in the same order as the Python layers (layers.py), so the
 logits are identical (tests/model/worker/test_decode_stack.py); prefill and mixed steps keep the
 Python path, and so do decode steps of more than block_quant.SMALL_BATCH rows on a model with
-block weights (their tiled path is Python's).
+32-weight block weights (their tiled path is Python's).
 
 It applies to the plain pre-norm Llama layer (Llama, Mistral/Qwen2 without sliding layers,
 SmolLM2, ...) on CPU with octavo's compiled ops and paged-decode kernel, whatever the linear
@@ -92,7 +92,9 @@ def build_decode_stack(model: nn.Module, backend: Any, kv_groups: Any) -> Any | 
     attn = first.self_attn
     # a block-weight layer runs its register kernel up to SMALL_BATCH rows and its tiled path
     # above (BlockQuantLinear.forward): larger steps stay in Python, so both paths compute alike
-    blocks = any(isinstance(m, BlockQuantLinear) for m in model.layers.modules())
+    # (K-quant layers run one kernel at every size)
+    blocks = any(isinstance(m, BlockQuantLinear) and not m.fmt.kquant
+                 for m in model.layers.modules())
     stack = ops.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                             first.input_layernorm.eps, attn.scale,
                             SMALL_BATCH if blocks else 2**62)

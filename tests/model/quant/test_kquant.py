@@ -200,24 +200,28 @@ def test_gguf_blocks_keep_the_files_bytes(kind):
 @pytest.mark.parametrize("kind", KINDS, ids=IDS)
 @pytest.mark.parametrize("ops_name", ["torch", *ISAS])
 def test_block_quant_linear_paths(ops_name, kind, monkeypatch):
-    """Up to SMALL_BATCH rows the kernel; more, tiles widened into the reused buffer and the
-    GEMM (several tiles here) with the activations quantized as the kernel's are; without the
-    compiled ops, torch. All against the same reference."""
+    """The kernel at every batch size (a row's result is the same whatever the batch); the
+    widened tiles + GEMM (_tiled, several tiles here) with the activations quantized as the
+    kernel's are; without the compiled ops, torch. All against the same references."""
     n, k = 37, 512
     raw = random_blocks(kind, n, k, np.random.default_rng(5))
     gen = torch.Generator().manual_seed(6)
     bias = torch.randn(n, generator=gen)
-    layer = FORMATS[GGML_NAMES[kind]][0]
-    layer = BlockQuantLinear(layer, torch.from_numpy(raw), None, None, bias)
+    layer = BlockQuantLinear(FORMATS[GGML_NAMES[kind]][0], torch.from_numpy(raw), None, None,
+                             bias)
     if ops_name != "torch":
         layer.ops = ops_for(ops_name)
     monkeypatch.setattr(block_quant, "TILE_ELEMENTS", 16 * k)
     w = gguf_dequantize(kind, raw)
+    xs = torch.randn(40, k, generator=gen)
     for m in (1, 7, SMALL_BATCH, SMALL_BATCH + 1, 40):
-        x = torch.randn(m, k, generator=gen)
+        x = xs[:m]
         got = layer(x)
         assert got.shape == (m, n)
         check_against_references(got, x, w, bias)
+        if ops_name != "torch":
+            assert torch.equal(got, layer(xs)[:m])  # batch-invariant, bit for bit
+            check_against_references(layer._tiled(x), x, w, bias)
     x = torch.randn(2, 3, k, generator=gen)
     assert torch.equal(layer(x), layer(x.reshape(6, k)).reshape(2, 3, n))
     ids = torch.tensor([[4, 0], [36, 4]])
@@ -308,6 +312,8 @@ def test_tiny_kquant_model_batched_alone_cpp_and_python(kquant_gguf, monkeypatch
                   enable_prefix_caching=False)
         model = llm.engine.executor.runner.model
         assert (model.decode_stack is not None) == (stack == "1" and load_cpu_ops() is not None)
+        if model.decode_stack is not None:  # one kernel at every size: no row limit
+            assert model.decode_stack.max_rows() > SMALL_BATCH
         formats = {m.fmt.name for m in model.modules() if isinstance(m, BlockQuantLinear)}
         assert formats == {"q4_k", "q5_k", "q6_k"}
         batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params,

@@ -233,6 +233,7 @@ void linear_rows(Path path, const uint8_t* q, int64_t row_bytes, const Q8K& X, i
       run_rows<KIND>(q, row_bytes, X, M, out, N, n0, n1, bias,
                      [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
                        int64_t m = ms;
+                       for (; m + 8 <= me; m += 8) kq_vnni::row_dot<KIND, 8>(row, X, m, o + m * N, N, bn);
                        for (; m + 4 <= me; m += 4) kq_vnni::row_dot<KIND, 4>(row, X, m, o + m * N, N, bn);
                        switch (me - m) {
                          case 3: kq_vnni::row_dot<KIND, 3>(row, X, m, o + m * N, N, bn); break;
@@ -248,6 +249,7 @@ void linear_rows(Path path, const uint8_t* q, int64_t row_bytes, const Q8K& X, i
       run_rows<KIND>(q, row_bytes, X, M, out, N, n0, n1, bias,
                      [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
                        int64_t m = ms;
+                       for (; m + 8 <= me; m += 8) kq_avx2::row_dot<KIND, 8>(row, X, m, o + m * N, N, bn);
                        for (; m + 4 <= me; m += 4) kq_avx2::row_dot<KIND, 4>(row, X, m, o + m * N, N, bn);
                        switch (me - m) {
                          case 3: kq_avx2::row_dot<KIND, 3>(row, X, m, o + m * N, N, bn); break;

@@ -98,8 +98,11 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
         sumi[m] = _mm256_sub_epi32(_mm256_setzero_si256(),
                                    _mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(bs[m])), 5));
       const __m256i m2 = _mm256_set1_epi8(0x03);
+      // each half's 8 scales in both 128-bit lanes (the shuffles pick within a lane)
+      const __m256i halves[2] = {_mm256_permute4x64_epi64(sc16, 0x44),
+                                 _mm256_permute4x64_epi64(sc16, 0xEE)};
       for (int h = 0; h < 2; ++h) {
-        const __m256i src = _mm256_permute4x64_epi64(sc16, h == 0 ? 0x44 : 0xEE);
+        const __m256i src = halves[h];
         const __m256i b1 = load32(ql + 64 * h), b2 = load32(ql + 64 * h + 32);
         const __m256i bh = load32(qh + 32 * h);
         __m256i q[4];
