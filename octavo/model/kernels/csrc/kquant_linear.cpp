@@ -36,9 +36,13 @@ constexpr int64_t kBytes[5] = {0, 0, 144, 176, 210};
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // c10::Half converts in software outside ATen's own kernels
+#else
   c10::Half v;
   v.x = h;
   return static_cast<float>(v);
+#endif
 }
 
 // Q4_K / Q5_K's 12 scale bytes -> u[0..1]: the 8 scales, u[2..3]: the 8 mins (a byte each),
