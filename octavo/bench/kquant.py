@@ -7,6 +7,8 @@
   1, 4 and 16 rows, 1 and 2 threads: GB/s of weight bytes read and weight rows/s, against this
   machine's read bandwidth measured here the same way (a streaming sum over a buffer larger than
   the caches). A decode step reads every weight byte once, so that bandwidth is its bound.
+- the kernel alone: one row through a weight that stays in L2, one thread (GB/s with memory
+  out of the way: where it is well above the read bandwidth, decode is memory-bound).
 - prefill: 512 rows through one decoder layer's linears, each way a layer could compute them:
   the integer kernel at 512 rows (what BlockQuantLinear runs), tiles widened to fp32 into a
   reused buffer then oneDNN's fp32 GEMM (BlockQuantLinear._tiled, what the 32-weight formats
@@ -89,6 +91,23 @@ def decode(ops: Any, kind: int, layers: int, repeats: int, gen: torch.Generator)
     return out
 
 
+def in_cache(ops: Any, kind: int, repeats: int, gen: torch.Generator) -> dict:
+    """GB/s of one row through a weight that stays in L2 (512 x 1536, ~0.3-0.4 MB), one thread:
+    the kernel's own rate with memory out of the way. Above the read bandwidth, a decode step
+    from memory is bound by the memory, not by the kernel."""
+    w = kquant.random_blocks(kind, 512, HIDDEN, gen)
+    x = torch.randn(1, HIDDEN, generator=gen)
+    calls = 200
+    torch.set_num_threads(1)
+
+    def run() -> None:
+        for _ in range(calls):
+            ops.kquant_linear(x, kind, w, None)
+
+    s = _timed(run, repeats)
+    return {"weight_gb_s": w.numel() * calls / s / 1e9, "weight_bytes": w.numel()}
+
+
 def prefill(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[dict]:
     """One decoder layer's linears at PREFILL_ROWS rows, each way, at each thread count."""
     fmt = FORMATS[name][0]
@@ -139,7 +158,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
             bandwidth[threads] = read_bandwidth(repeats)
         for name in NAMES:
             kind = FORMATS[name][0].kind
-            results[name] = {"decode": decode(ops, kind, layers, repeats, gen),
+            results[name] = {"in_cache": in_cache(ops, kind, repeats, gen),
+                             "decode": decode(ops, kind, layers, repeats, gen),
                              "prefill": prefill(ops, name, max(1, repeats // 2), gen)}
     finally:
         torch.set_num_threads(threads_was)
@@ -157,7 +177,10 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
         by = {(r["threads"], r["way"]): r["gflop_s"] for r in results[name]["prefill"]}
         for (threads, way), g in by.items():
             prow.append([name, threads, way, g, g / by[(threads, "torch fp32 GEMM (F.linear)")]])
-    md += ("\n\nRead bandwidth (streaming sum over 512 MiB): "
+    md += ("\n\nOne row through a weight held in L2, one thread (the kernel's own rate): "
+           + ", ".join(f"{name} {results[name]['in_cache']['weight_gb_s']:.1f} GB/s"
+                       for name in NAMES)
+           + ".\n\nRead bandwidth (streaming sum over 512 MiB): "
            + ", ".join(f"{t} thread{'s' if t > 1 else ''} {bw:.1f} GB/s"
                        for t, bw in bandwidth.items())
            + f"; kernel path {results['kernel']} ({results['isa']} build).\n\n"

@@ -10,7 +10,8 @@ Every other type (IQ*, Q2_K, Q3_K, Q8_K, F16, BF16, ...) has no format here: its
 dequantized to fp32 by the loader.
 
 The result, `Blocks`, has its rows in the tensor's row order; `rows(perm)` reorders them (GGUF's
-q/k row permutation, undone) and `cat_rows` joins layers fused by rows (q/k/v, gate/up).
+q/k row permutation, undone), `cat_rows` joins layers fused by rows (q/k/v, gate/up) and
+`fused_linear` builds the layer, parts of different formats included (block_concat.py).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch import nn
 
 from octavo.model.quant import kquant
+from octavo.model.quant.block_concat import BlockConcat
 from octavo.model.quant.block_quant import INT4, INT8, BlockFormat, BlockQuantLinear
 
 # GGML type name -> (format, bytes per block of fmt.group weights)
@@ -68,6 +71,31 @@ def cat_rows(parts: list[Blocks | None]) -> Blocks | None:
     join = (lambda ts: None if ts[0] is None else torch.cat(ts))
     return Blocks(first.fmt, join([p.q for p in parts]), join([p.scale for p in parts]),
                   join([p.mins for p in parts]))
+
+
+def fused_linear(parts: list[Blocks | None],
+                 bias: torch.Tensor | None = None) -> BlockQuantLinear | BlockConcat | None:
+    """The layer of weights fused by rows (q/k/v, gate/up; `bias` the fused one): one
+    `BlockQuantLinear` where the parts share a format, a `BlockConcat` of one per part where
+    they do not (a Q4_K_M file's Q6_K v beside Q4_K q and k); None where a part has no block
+    format (the layer keeps its fp32 weight)."""
+    joined = cat_rows(parts)
+    if joined is not None:
+        return joined.linear(bias)
+    if not parts or any(p is None for p in parts):
+        return None
+    layers, start = [], 0
+    for p in parts:
+        assert p is not None
+        n = p.q.shape[0]
+        layers.append(p.linear(None if bias is None else bias[start:start + n]))
+        start += n
+    return BlockConcat(layers)
+
+
+def block_linears(layer: nn.Module) -> list[BlockQuantLinear]:
+    """The `BlockQuantLinear`s a layer built by `fused_linear` computes with."""
+    return list(layer.parts) if isinstance(layer, BlockConcat) else [layer]
 
 
 def block_type(type_name: str) -> bool:

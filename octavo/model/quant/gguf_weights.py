@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from octavo.config import ModelConfig
-from octavo.model.quant.gguf_blocks import FORMATS, Blocks, _planes, cat_rows
+from octavo.model.quant.gguf_blocks import FORMATS, Blocks, _planes, block_linears, fused_linear
 from octavo.model.quant.quantization import QuantReport
 
 logger = logging.getLogger(__name__)
@@ -99,15 +99,13 @@ def apply_gguf_blocks(model: nn.Module, config: ModelConfig, gguf_path: Path,
         linear = getattr(parent, attr)
         if type(linear) is not nn.Linear:
             continue
-        got = cat_rows([blocks.get(name, perm) for name, perm in sources])
-        if got is None:  # another type: the layer keeps the dequantized weight
+        layer = fused_linear([blocks.get(name, perm) for name, perm in sources], linear.bias)
+        if layer is None:  # another type: the layer keeps the dequantized weight
             for name, _ in sources:
                 kind = blocks.type_name(name)
                 if kind is not None and kind not in FORMATS and kind != "F32":
                     dequantized[kind] += 1
             continue
-        fmt = got.fmt
-        layer = got.linear(linear.bias)
         if (layer.out_features, layer.in_features) != tuple(linear.weight.shape):
             raise ValueError(f"GGUF blocks for {attr} are [{layer.out_features}, "
                              f"{layer.in_features}], the layer is {tuple(linear.weight.shape)}")
@@ -116,7 +114,7 @@ def apply_gguf_blocks(model: nn.Module, config: ModelConfig, gguf_path: Path,
             before += linear.weight.numel() * linear.weight.element_size()
         after += layer.nbytes()
         layers += 1
-        formats[fmt.name] += 1
+        formats["+".join(p.fmt.name for p in block_linears(layer))] += 1
         setattr(parent, attr, layer)
     if dequantized:
         logger.info("quantization gguf: linear weights of types octavo does not compute in "

@@ -24,17 +24,21 @@ from torch import nn
 from octavo.model.layers.decoder import MLP, Attention, DecoderLayer, RMSNorm
 from octavo.model.layers.linear import PackedLinear
 from octavo.model.models.llama import LlamaForCausalLM
+from octavo.model.quant.block_concat import BlockConcat
 from octavo.model.quant.block_quant import SMALL_BATCH, BlockQuantLinear
 from octavo.model.quant.quantization import Int8Linear
 
 logger = logging.getLogger(__name__)
 ENV_VAR = "OCTAVO_DECODE_STACK"
-BLOCK, ONEDNN, INT8, PLAIN, KQUANT = 0, 1, 2, 3, 4
+BLOCK, ONEDNN, INT8, PLAIN, KQUANT, CONCAT = 0, 1, 2, 3, 4, 5
 
 
 def _linear_spec(m: nn.Module) -> tuple | None:
-    """(type, tensors, bias, kind, group, int8_activations[, packed_gemv's arguments]) for the
-    C++ loop, or None."""
+    """(type, tensors, bias, kind, group, int8_activations[, packed_gemv's arguments, or a
+    concatenation's parts' specs]) for the C++ loop, or None."""
+    if isinstance(m, BlockConcat):
+        parts = [_linear_spec(p) for p in m.parts]
+        return None if any(p is None for p in parts) else (CONCAT, [], None, 0, 0, False, parts)
     if isinstance(m, BlockQuantLinear) and m.ops is not None and m.fmt.kquant:
         return (KQUANT, [m.q], m.bias, m.fmt.kind, m.fmt.group, True)
     if isinstance(m, BlockQuantLinear) and m.ops is not None:

@@ -17,6 +17,7 @@ from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
 from octavo.model import sources
 from octavo.model.kernels.cpu_ops import load_cpu_ops
+from octavo.model.quant.block_concat import BlockConcat
 from octavo.model.quant.block_quant import INT4, INT8, BlockQuantLinear, dequantize
 from octavo.model.quant.gguf_blocks import FORMATS, _planes
 from octavo.model.quant.gguf_weights import GGUFBlocks, _unpermute_rows, apply_gguf_blocks
@@ -192,7 +193,7 @@ def _tmp_gguf_cache(tmp_path_factory, monkeypatch):
 
 def qtype_for(name: str):
     """Each tiny tensor's GGUF type; blk.1's v is Q8_0 next to Q4_0 q and k, so that layer's
-    fused qkv has no single format and keeps the loader's fp32 weight."""
+    fused qkv has no single format (a BlockConcat of its parts)."""
     from gguf import GGMLQuantizationType as T
 
     if name == "blk.1.attn_v.weight":
@@ -227,7 +228,7 @@ def quant_gguf(tiny_llama_dir, tmp_path_factory):
 
 def test_tiny_gguf_blocks_widen_to_the_loaders_weights_exactly(quant_gguf):
     """Q4_0 (q, k with 4 and 2 heads: the unpermutation), Q4_1 and Q8_0, an untied LM head,
-    and a fused layer whose parts differ in format (left to the loader's fp32 weight)."""
+    and a fused layer whose parts differ in format (each part in its own blocks)."""
     from safetensors.torch import load_file
 
     hf_dir = sources.resolve_model_dir(str(quant_gguf))
@@ -239,7 +240,7 @@ def test_tiny_gguf_blocks_widen_to_the_loaders_weights_exactly(quant_gguf):
     assert not config.tie_word_embeddings
     formats = {}
     for name, module in model.named_modules():
-        if isinstance(module, BlockQuantLinear):
+        if isinstance(module, BlockQuantLinear) and ".parts." not in name:  # not BlockConcat's
             want = hf_weight(state, name.removeprefix("model."))
             assert torch.equal(module.dequantized_weight(), want), name
             formats[name] = module.fmt.name
@@ -249,10 +250,12 @@ def test_tiny_gguf_blocks_widen_to_the_loaders_weights_exactly(quant_gguf):
         "layers.0.mlp.gate_up_proj": "q4_1", "layers.0.mlp.down_proj": "q8_0",
         "layers.1.self_attn.o_proj": "q4_1", "layers.1.mlp.gate_up_proj": "q4_1",
         "layers.1.mlp.down_proj": "q8_0", "lm_head": "q8_0"}
-    mixed = model.layers[1].self_attn.qkv_proj
-    assert type(mixed) is nn.Linear
-    assert torch.equal(mixed.weight, hf_weight(state, "layers.1.self_attn.qkv_proj"))
-    assert model.quant_report.layers == len(formats)
+    mixed = model.layers[1].self_attn.qkv_proj  # Q4_0 q and k, Q8_0 v: each in its blocks
+    assert type(mixed) is BlockConcat
+    assert [p.fmt.name for p in mixed.parts] == ["q4_0", "q4_0", "q8_0"]
+    assert torch.equal(mixed.dequantized_weight(),
+                       hf_weight(state, "layers.1.self_attn.qkv_proj"))
+    assert model.quant_report.layers == len(formats) + 1
 
 
 def test_engine_gguf_on_a_tiny_gguf(quant_gguf):

@@ -8,7 +8,8 @@ an independent reference) on random valid super-blocks:
   d_b / 2 = max|x in its 256| / 254, so |err| <= sum_b (d_b / 2) sum_{j in b} |w_j|; and W
   times the activations as the kernel quantized them, where only fp32 rounding remains
   (bounded here by 1e-5 of sum |w_j xq_j d_b|, measured ~5e-8);
-- BlockQuantLinear's paths (the kernel, the widened tiles, torch) and its row lookup;
+- BlockQuantLinear's paths (the kernel, the widened tiles, torch) and its row lookup; a fused
+  layer whose parts are of different formats (BlockConcat);
 - a tiny model whose linears are K-quant blocks: the same greedy tokens batched and alone,
   through the C++ decode loop and through the Python layers."""
 
@@ -22,8 +23,17 @@ from octavo import LLM, SamplingParams
 from octavo.model.kernels.cpu_isa import supported_isas
 from octavo.model.kernels.cpu_ops import load_cpu_ops
 from octavo.model.quant import block_quant, kquant
+from octavo.model.quant.block_concat import BlockConcat
 from octavo.model.quant.block_quant import SMALL_BATCH, BlockQuantLinear
-from octavo.model.quant.gguf_blocks import FORMATS, Blocks, _planes, block_type, cat_rows
+from octavo.model.quant.gguf_blocks import (
+    FORMATS,
+    Blocks,
+    _planes,
+    block_linears,
+    block_type,
+    cat_rows,
+    fused_linear,
+)
 from tests.model.quant.kquant_blocks import GGML_NAMES, quantize, random_blocks
 
 ISAS = supported_isas()
@@ -229,6 +239,38 @@ def test_block_quant_linear_paths(ops_name, kind, monkeypatch):
     assert rows.shape == (4, k) and torch.equal(rows, w[ids.reshape(-1)])
 
 
+@pytest.mark.parametrize("ops_name", ["torch", *ISAS])
+def test_fused_layer_of_mixed_formats(ops_name):
+    """q/k as Q4_K and v as Q6_K (a Q4_K_M file's pattern): a BlockConcat computing each part
+    in its own blocks, the bias split between them; one format: one BlockQuantLinear."""
+    rng = np.random.default_rng(8)
+    raws = [random_blocks(kquant.Q4_K, 8, 512, rng), random_blocks(kquant.Q4_K, 4, 512, rng),
+            random_blocks(kquant.Q6_K, 4, 512, rng)]
+    parts = [_planes(name, raw, raw.shape[0], 512)
+             for name, raw in zip(("Q4_K", "Q4_K", "Q6_K"), raws, strict=True)]
+    bias = torch.randn(16)
+    layer = fused_linear(parts, bias)
+    assert type(layer) is BlockConcat and (layer.in_features, layer.out_features) == (512, 16)
+    assert [p.fmt.name for p in block_linears(layer)] == ["q4_k", "q4_k", "q6_k"]
+    assert layer.nbytes() == sum(r.nbytes for r in raws)
+    if ops_name != "torch":
+        layer.ops = ops_for(ops_name)
+        assert all(p.ops is layer.ops for p in layer.parts)
+    w = torch.cat([gguf_dequantize(k, r) for k, r in
+                   zip((kquant.Q4_K, kquant.Q4_K, kquant.Q6_K), raws, strict=True)])
+    assert torch.equal(layer.dequantized_weight(), w)
+    x = torch.randn(3, 512)
+    check_against_references(layer(x), x, w, bias)
+    ids = torch.tensor([15, 0, 9, 12])
+    assert torch.equal(layer.dequantize_rows(ids), w[ids])
+    same = fused_linear(parts[:2], bias[:12])
+    assert type(same) is BlockQuantLinear and same.out_features == 12
+    assert fused_linear([parts[0], None], None) is None
+    with pytest.raises(ValueError, match="share their input features"):
+        BlockConcat([parts[0].linear(), _planes("Q6_K", random_blocks(
+            kquant.Q6_K, 2, 256, rng), 2, 256).linear()])
+
+
 def test_block_quant_linear_rejects_bad_kquant_tensors():
     fmt = FORMATS["Q6_K"][0]
     with pytest.raises(ValueError, match="not whole super-blocks of 210 bytes"):
@@ -256,9 +298,11 @@ KQUANT_TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4
 
 
 def kquant_type(name: str):
-    """Each tiny tensor's GGUF type: Q4_K, Q5_K and Q6_K, a fused layer (q/k/v) of one type."""
+    """Each tiny tensor's GGUF type: Q4_K, Q5_K and Q6_K; layer 1's fused qkv mixes two."""
     from gguf import GGMLQuantizationType as T
 
+    if name == "blk.1.attn_v.weight":  # a Q4_K_M file's pattern: a fused qkv of two types
+        return T.Q6_K
     kind = name.rsplit(".", 2)[-2]
     return {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q4_K, "attn_output": T.Q5_K,
             "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "output": T.Q6_K,
@@ -316,6 +360,9 @@ def test_tiny_kquant_model_batched_alone_cpp_and_python(kquant_gguf, monkeypatch
             assert model.decode_stack.max_rows() > SMALL_BATCH
         formats = {m.fmt.name for m in model.modules() if isinstance(m, BlockQuantLinear)}
         assert formats == {"q4_k", "q5_k", "q6_k"}
+        mixed = model.layers[1].self_attn.qkv_proj
+        assert type(mixed) is BlockConcat
+        assert [p.fmt.name for p in mixed.parts] == ["q4_k", "q4_k", "q6_k"]
         batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params,
                                                                 use_tqdm=False)]
         alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids

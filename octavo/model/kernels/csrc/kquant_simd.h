@@ -126,9 +126,11 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
       const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
       uint32_t u[4];
       unpack_scales_k4(blk + 4, u);  // u[0..1]: 8 scales, u[2..3]: 8 mins, one byte each
-      const __m128i sc8 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u)));
-      const __m128i mn8 =
-          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2)));
+      // from registers, not through memory (a store-forwarding stall on every super-block)
+      const __m128i su = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
+                                       static_cast<int>(u[1]), static_cast<int>(u[0]));
+      const __m128i sc8 = _mm_cvtepu8_epi16(su);
+      const __m128i mn8 = _mm_cvtepu8_epi16(_mm_srli_si128(su, 8));
       const __m256i src = _mm256_set_m128i(sc8, sc8);
       for (int m = 0; m < MT; ++m) {
         const __m256i s16 = load32(bs[m]);  // sums of 16 -> sums of 32 (sub-blocks 0..7)
