@@ -7,6 +7,8 @@
   1, 4 and 16 rows, 1 and 2 threads: GB/s of weight bytes read and weight rows/s, against this
   machine's read bandwidth measured here the same way (a streaming sum over a buffer larger than
   the caches). A decode step reads every weight byte once, so that bandwidth is its bound.
+  One-thread runs are also timed in the thread's CPU time, which a shared machine's other
+  processes do not inflate (the streaming read too).
 - the kernel alone: one row through a weight that stays in L2, one thread (GB/s with memory
   out of the way: where it is well above the read bandwidth, decode is memory-bound).
 - prefill: 512 rows through one decoder layer's linears, each way a layer could compute them:
@@ -46,26 +48,26 @@ PREFILL_ROWS = 512
 THREADS = (1, 2)
 
 
-def read_bandwidth(repeats: int, mib: int = 512) -> float:
-    """GB/s of a streaming read: torch's sum over `mib` MiB of fp32 (past every cache)."""
-    buf = torch.ones(mib * 2**20 // 4)
-    buf.sum()
-    times = []
+def _timed(fn, repeats: int) -> tuple[float, float]:
+    """Medians of (wall seconds, this thread's CPU seconds) over `repeats` calls after a
+    warm-up. With one thread the CPU time leaves out the time the OS gave other processes: on a
+    shared machine it is the rate the core itself reached."""
+    fn()
+    wall, cpu = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t)
-    return buf.numel() * 4 / median(times) / 1e9
-
-
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         fn()
-        times.append(time.perf_counter() - t)
-    return median(times)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
+    return median(wall), median(cpu)
+
+
+def read_bandwidth(repeats: int, mib: int = 512) -> tuple[float, float]:
+    """GB/s of a streaming read, torch's sum over `mib` MiB of fp32 (past every cache): by wall
+    time, and by this thread's CPU time."""
+    buf = torch.ones(mib * 2**20 // 4)
+    wall, cpu = _timed(buf.sum, repeats)
+    return buf.numel() * 4 / wall / 1e9, buf.numel() * 4 / cpu / 1e9
 
 
 def decode(ops: Any, kind: int, layers: int, repeats: int, gen: torch.Generator) -> list[dict]:
@@ -84,10 +86,11 @@ def decode(ops: Any, kind: int, layers: int, repeats: int, gen: torch.Generator)
                 for w, (_, k) in zip(weights, shapes, strict=True):
                     ops.kquant_linear(xs[k], kind, w, None)
 
-            s = _timed(step, repeats)
+            s, cpu = _timed(step, repeats)
             out.append({"threads": threads, "rows": m, "ms": s * 1e3,
                         "weight_gb_s": nbytes / s / 1e9, "weight_rows_s": rows / s,
-                        "weight_bytes": nbytes})
+                        "weight_bytes": nbytes,
+                        "cpu_time_weight_gb_s": nbytes / cpu / 1e9 if threads == 1 else None})
     return out
 
 
@@ -104,8 +107,9 @@ def in_cache(ops: Any, kind: int, repeats: int, gen: torch.Generator) -> dict:
         for _ in range(calls):
             ops.kquant_linear(x, kind, w, None)
 
-    s = _timed(run, repeats)
-    return {"weight_gb_s": w.numel() * calls / s / 1e9, "weight_bytes": w.numel()}
+    s, cpu = _timed(run, repeats)
+    return {"weight_gb_s": w.numel() * calls / s / 1e9,
+            "cpu_time_weight_gb_s": w.numel() * calls / cpu / 1e9, "weight_bytes": w.numel()}
 
 
 def prefill(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[dict]:
@@ -136,7 +140,7 @@ def prefill(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[dic
         for threads in THREADS:
             torch.set_num_threads(threads)
             for way, fn in ways.items():
-                s = _timed(fn, repeats)
+                s, _ = _timed(fn, repeats)
                 out.append({"threads": threads, "way": way, "ms": s * 1e3,
                             "gflop_s": flops / s / 1e9})
     return out
@@ -167,22 +171,27 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
     rows = []
     for name in NAMES:
         for r in results[name]["decode"]:
+            cpu = r["cpu_time_weight_gb_s"]
             rows.append([name, r["threads"], r["rows"], r["ms"], r["weight_gb_s"],
-                         100 * r["weight_gb_s"] / bandwidth[r["threads"]],
-                         r["weight_rows_s"] / 1e6, r["weight_rows_s"] * r["rows"] / 1e6])
+                         100 * r["weight_gb_s"] / bandwidth[r["threads"]][0],
+                         r["weight_rows_s"] / 1e6, r["weight_rows_s"] * r["rows"] / 1e6,
+                         "" if cpu is None else f"{cpu:.1f} ({100 * cpu / bandwidth[1][1]:.0f}%)"])
     md = md_table(["format", "threads", "rows (M)", "ms / pass", "weight GB/s",
-                   "% of read bandwidth", "weight rows/s (M)", "output values/s (M)"], rows)
+                   "% of read bandwidth", "weight rows/s (M)", "output values/s (M)",
+                   "1 thread by CPU time: GB/s (% of the read's)"], rows)
     prow = []
     for name in NAMES:
         by = {(r["threads"], r["way"]): r["gflop_s"] for r in results[name]["prefill"]}
         for (threads, way), g in by.items():
             prow.append([name, threads, way, g, g / by[(threads, "torch fp32 GEMM (F.linear)")]])
-    md += ("\n\nOne row through a weight held in L2, one thread (the kernel's own rate): "
-           + ", ".join(f"{name} {results[name]['in_cache']['weight_gb_s']:.1f} GB/s"
-                       for name in NAMES)
+    md += ("\n\nOne row through a weight held in L2, one thread, by CPU time (the kernel's own "
+           "rate): " + ", ".join(
+               f"{name} {results[name]['in_cache']['cpu_time_weight_gb_s']:.1f} GB/s"
+               for name in NAMES)
            + ".\n\nRead bandwidth (streaming sum over 512 MiB): "
-           + ", ".join(f"{t} thread{'s' if t > 1 else ''} {bw:.1f} GB/s"
+           + ", ".join(f"{t} thread{'s' if t > 1 else ''} {bw[0]:.1f} GB/s"
                        for t, bw in bandwidth.items())
+           + f" (1 thread by CPU time: {bandwidth[1][1]:.1f} GB/s)"
            + f"; kernel path {results['kernel']} ({results['isa']} build).\n\n"
            + f"Prefill, {PREFILL_ROWS} rows through one decoder layer's linears:\n\n"
            + md_table(["format", "threads", "path", "GFLOP/s", "x torch fp32 GEMM"], prow))
@@ -194,7 +203,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
 
 def plot(results: dict[str, Any], fig: Figure) -> None:
     ax1, ax2 = fig.subplots(1, 2)
-    bandwidth = {int(t): bw for t, bw in results["read_gb_s"].items()}
+    bandwidth = {int(t): bw[0] for t, bw in results["read_gb_s"].items()}
     for name in NAMES:
         for threads in THREADS:
             pts = [r for r in results[name]["decode"] if r["threads"] == threads]

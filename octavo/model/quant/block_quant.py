@@ -98,11 +98,11 @@ def dequantize(kind: int, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tens
     return (q.float().reshape(n, k // group, group) * scale.float()[..., None]).reshape(n, k)
 
 
-def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """x [M, K] as the int8-activation kernel sees it: per block of `block` (32; the K-quants'
-    256), xq = round(x / dx) with dx = max |x| / 127, returned as xq * dx in fp32."""
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int8-activation kernel sees it: per block of 32, xq = round(x / dx)
+    with dx = max |x| / 127, returned as xq * dx in fp32."""
     m, k = x.shape
-    blocks = x.float().reshape(m, k // block, block)
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     dx = amax / 127
     # the kernel's rounding: x * (127 / amax), the quotient a true division (torch's scalar
