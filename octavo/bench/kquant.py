@@ -17,8 +17,8 @@
   run), and torch's and oneDNN's fp32 GEMM on fp32 weights of the same shapes (no widening):
   GFLOP/s (2 M N K per layer).
 
-Weights are random valid super-blocks (kquant.random_blocks): the speed does not depend on the
-values. Medians of repeats; the first pass of each is a warm-up.
+Weights are random valid super-blocks (kquant.random_blocks), repacked as the loader does: the
+speed does not depend on the values. Medians of repeats; the first pass of each is a warm-up.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def read_bandwidth(repeats: int, mib: int = 512) -> tuple[float, float]:
 def decode(ops: Any, kind: int, layers: int, repeats: int, gen: torch.Generator) -> list[dict]:
     """One format's decode passes at each row count and thread count."""
     shapes = LAYER_SHAPES * layers + [(VOCAB, HIDDEN)]
-    weights = [kquant.random_blocks(kind, n, k, gen) for n, k in shapes]
+    weights = [kquant.repack(kind, kquant.random_blocks(kind, n, k, gen)) for n, k in shapes]
     nbytes = sum(w.numel() for w in weights)
     rows = sum(n for n, _ in shapes)
     out = []
@@ -98,7 +98,7 @@ def in_cache(ops: Any, kind: int, repeats: int, gen: torch.Generator) -> dict:
     """GB/s of one row through a weight that stays in L2 (512 x 1536, ~0.3-0.4 MB), one thread:
     the kernel's own rate with memory out of the way. Above the read bandwidth, a decode step
     from memory is bound by the memory, not by the kernel."""
-    w = kquant.random_blocks(kind, 512, HIDDEN, gen)
+    w = kquant.repack(kind, kquant.random_blocks(kind, 512, HIDDEN, gen))
     x = torch.randn(1, HIDDEN, generator=gen)
     calls = 200
     torch.set_num_threads(1)
@@ -116,7 +116,8 @@ def prefill(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[dic
     """One decoder layer's linears at PREFILL_ROWS rows, each way, at each thread count."""
     fmt = FORMATS[name][0]
     kind = fmt.kind
-    weights = [kquant.random_blocks(kind, n, k, gen) for n, k in LAYER_SHAPES]
+    weights = [kquant.repack(kind, kquant.random_blocks(kind, n, k, gen))
+               for n, k in LAYER_SHAPES]
     blocks = []
     for w in weights:
         layer = BlockQuantLinear(fmt, w, None, None, None)

@@ -3,9 +3,9 @@ keeps in its blocks, and how a tensor's raw bytes become the tensors `BlockQuant
 
 - Q4_0, Q4_1, Q8_0 (blocks of 32): split into planes, quants, float16 scales and mins
   (block_quant.py's 4-bit and 8-bit kinds; Q4_0's w = (q - 8) d becomes q d + (-8 d)).
-- Q4_K, Q5_K, Q6_K (super-blocks of 256): kept as the file's bytes, one uint8 row of
-  super-blocks per weight row (kquant.py); the kernels read that layout directly, so memory is
-  the file's tensor bytes exactly.
+- Q4_K, Q5_K, Q6_K (super-blocks of 256): one uint8 row of super-blocks per weight row, the
+  file's bytes with Q4_K's and Q5_K's 6-bit scales and mins unpacked to a byte each
+  (kquant.repack: 148 and 180 bytes a super-block instead of 144 and 176; Q6_K unchanged).
 Every other type (IQ*, Q2_K, Q3_K, Q8_K, F16, BF16, ...) has no format here: its tensor is
 dequantized to fp32 by the loader.
 
@@ -26,17 +26,17 @@ from octavo.model.quant import kquant
 from octavo.model.quant.block_concat import BlockConcat
 from octavo.model.quant.block_quant import INT4, INT8, BlockFormat, BlockQuantLinear
 
-# GGML type name -> (format, bytes per block of fmt.group weights)
+# GGML type name -> (format, bytes in the file per block of fmt.group weights)
 FORMATS = {
     "Q4_0": (BlockFormat("q4_0", INT4, 32, int8_activations=True), 18),
     "Q4_1": (BlockFormat("q4_1", INT4, 32, int8_activations=True), 20),
     "Q8_0": (BlockFormat("q8_0", INT8, 32, int8_activations=True), 34),
     "Q4_K": (BlockFormat("q4_k", kquant.Q4_K, 256, int8_activations=True),
-             kquant.BLOCK_BYTES[kquant.Q4_K]),
+             kquant.FILE_BYTES[kquant.Q4_K]),
     "Q5_K": (BlockFormat("q5_k", kquant.Q5_K, 256, int8_activations=True),
-             kquant.BLOCK_BYTES[kquant.Q5_K]),
+             kquant.FILE_BYTES[kquant.Q5_K]),
     "Q6_K": (BlockFormat("q6_k", kquant.Q6_K, 256, int8_activations=True),
-             kquant.BLOCK_BYTES[kquant.Q6_K]),
+             kquant.FILE_BYTES[kquant.Q6_K]),
 }
 
 
@@ -113,7 +113,7 @@ def _planes(type_name: str, raw: np.ndarray, rows: int, cols: int) -> Blocks | N
     to = torch.from_numpy
     if fmt.kquant:
         q = np.ascontiguousarray(raw).reshape(rows, cols // fmt.group * size)
-        return Blocks(fmt, to(q.copy()), None, None)
+        return Blocks(fmt, kquant.repack(fmt.kind, to(q.copy())), None, None)
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, size)
     scale = blocks[..., 0:2].copy().view(np.float16).reshape(rows, cols // 32)
     if type_name == "Q4_0":  # w = (q - 8) d = q d + (-8 d); -8 d is exact in float16

@@ -1,16 +1,16 @@
 // Linear layers whose weights stay in GGUF's K-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights
-// each, the bytes exactly as the file has them; octavo/model/quant/gguf_blocks.py), computed as
-// llama.cpp computes them: each activation row is quantized per 256 to int8 (Q8K: one fp32 scale
-// per 256 and the sums of every 16 quantized values, which the formats' mins and Q6_K's offset
-// need), and each super-block's dot product is taken on integers (kquant_simd.h), then scaled
-// in fp32. Super-block layouts (gguf-py's gguf.quants is the reference):
-//   Q4_K, 144 bytes: d fp16, dmin fp16, 12 bytes of eight 6-bit scales and eight 6-bit mins,
-//     128 bytes of nibbles (bytes 32j..32j+31: sub-block 2j in the low nibbles, 2j+1 in the
-//     high); w = d * scale_s * q - dmin * min_s for the 8 sub-blocks s of 32.
-//   Q5_K, 176 bytes: d, dmin, the 12 scale bytes, 32 bytes qh (bit s of byte l: the fifth bit
-//     of sub-block s's element l), then Q4_K's 128 bytes of nibbles.
-//   Q6_K, 210 bytes: 128 bytes ql (low nibbles), 64 bytes qh (2 high bits), 16 int8 scales (one
-//     per 16 weights), d fp16; w = d * scale_s * (q - 32).
+// each; octavo/model/quant/gguf_blocks.py, kquant.py), computed as llama.cpp computes them: each
+// activation row is quantized per 256 to int8 (Q8K: one fp32 scale per 256 and the sums of every
+// 16 quantized values, which the formats' mins and Q6_K's offset need), and each super-block's
+// dot product is taken on integers (kquant_simd.h), then scaled in fp32. Super-block layouts in
+// memory (kquant.repack; gguf-py's gguf.quants is the reference for the file's):
+//   Q4_K, 148 bytes: d fp16, dmin fp16, 8 scale bytes, 8 min bytes (the file's 12 bytes of 6-bit
+//     values, unpacked at load), 128 bytes of nibbles (bytes 32j..32j+31: sub-block 2j in the
+//     low nibbles, 2j+1 in the high); w = d * scale_s * q - dmin * min_s, 8 sub-blocks of 32.
+//   Q5_K, 180 bytes: d, dmin, the 16 scale and min bytes, 32 bytes qh (bit s of byte l: the
+//     fifth bit of sub-block s's element l), then Q4_K's 128 bytes of nibbles.
+//   Q6_K, 210 bytes (the file's): 128 bytes ql (low nibbles), 64 bytes qh (2 high bits), 16 int8
+//     scales (one per 16 weights), d fp16; w = d * scale_s * (q - 32).
 // Paths (chosen at run time): in the AVX-512 build, AVX512-VNNI where the CPU has avx512_vnni;
 // AVX2 (vpmaddubsw + vpmaddwd; also the AVX-512 build's path without VNNI); portable C++.
 // kquant_dequantize widens rows to fp32 exactly as gguf-py does (the products are exact in fp32
@@ -31,7 +31,7 @@
 namespace {
 
 constexpr int kQ4K = 2, kQ5K = 3, kQ6K = 4;
-constexpr int64_t kBytes[5] = {0, 0, 144, 176, 210};
+constexpr int64_t kBytes[5] = {0, 0, 148, 180, 210};
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -43,18 +43,6 @@ inline float half_to_float(const uint8_t* p) {
   v.x = h;
   return static_cast<float>(v);
 #endif
-}
-
-// Q4_K / Q5_K's 12 scale bytes -> u[0..1]: the 8 scales, u[2..3]: the 8 mins (a byte each),
-// llama.cpp's unpacking
-inline void unpack_scales_k4(const uint8_t* s, uint32_t u[4]) {
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  std::memcpy(u, s, 12);
-  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  const uint32_t mins_lo = u[1] & k1;
-  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  u[2] = mins_lo;
-  u[0] &= k1;
 }
 
 // activations quantized per 256: x ~ q * d
@@ -103,18 +91,15 @@ inline void unpack_block(const uint8_t* blk, uint8_t* q, int* sc, int* mn) {
     for (int s = 0; s < 16; ++s) sc[s] = static_cast<int8_t>(blk[192 + s]);
     return;
   }
-  uint32_t u[4];
-  unpack_scales_k4(blk + 4, u);
-  const uint8_t* b8 = reinterpret_cast<const uint8_t*>(u);
-  for (int s = 0; s < 8; ++s) sc[s] = b8[s], mn[s] = b8[8 + s];
-  const uint8_t* qs = blk + (KIND == kQ4K ? 16 : 48);
+  for (int s = 0; s < 8; ++s) sc[s] = blk[4 + s], mn[s] = blk[12 + s];
+  const uint8_t* qs = blk + (KIND == kQ4K ? 20 : 52);
   for (int j = 0; j < 4; ++j)
     for (int l = 0; l < 32; ++l) {
       q[64 * j + l] = qs[32 * j + l] & 15;
       q[64 * j + 32 + l] = qs[32 * j + l] >> 4;
     }
   if (KIND == kQ5K) {
-    const uint8_t* qh = blk + 16;
+    const uint8_t* qh = blk + 20;
     for (int s = 0; s < 8; ++s)
       for (int l = 0; l < 32; ++l) q[32 * s + l] |= ((qh[l] >> s) & 1) << 4;
   }

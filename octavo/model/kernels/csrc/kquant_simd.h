@@ -14,7 +14,8 @@
 // vpdpbusd quad at most 4 * 63 * 127 = 32004, so it is exact as the low int16 of its lane, which
 // vpdpwssd multiplies by the scale (the scale vector's high int16 is 0).
 //
-// Needs before inclusion: KQ_NS, KQ_VNNI (0 or 1), struct Q8K, kBytes, half_to_float.
+// Needs before inclusion: KQ_NS, KQ_VNNI (0 or 1), struct Q8K, kBytes, half_to_float. The
+// super-block layouts are kquant_linear.cpp's (in memory, after kquant.repack).
 
 namespace KQ_NS {
 
@@ -124,13 +125,11 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
         acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[m]), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
     } else {
       const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-      uint32_t u[4];
-      unpack_scales_k4(blk + 4, u);  // u[0..1]: 8 scales, u[2..3]: 8 mins, one byte each
-      // from registers, not through memory (a store-forwarding stall on every super-block)
-      const __m128i su = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
-                                       static_cast<int>(u[1]), static_cast<int>(u[0]));
-      const __m128i sc8 = _mm_cvtepu8_epi16(su);
-      const __m128i mn8 = _mm_cvtepu8_epi16(_mm_srli_si128(su, 8));
+      // the 8 scales and 8 mins, a byte each (unpacked at load)
+      const __m128i sc8 =
+          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4)));
+      const __m128i mn8 =
+          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 12)));
       const __m256i src = _mm256_set_m128i(sc8, sc8);
       for (int m = 0; m < MT; ++m) {
         const __m256i s16 = load32(bs[m]);  // sums of 16 -> sums of 32 (sub-blocks 0..7)
@@ -140,9 +139,9 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
                                _mm_cvtepi32_ps(_mm_madd_epi16(mn8, s32)), accm[m]);
         sumi[m] = _mm256_setzero_si256();
       }
-      const uint8_t* qs = blk + (KIND == kQ4K ? 16 : 48);
+      const uint8_t* qs = blk + (KIND == kQ4K ? 20 : 52);
       __m256i hbits = _mm256_setzero_si256();
-      if (KIND == kQ5K) hbits = load32(blk + 16);
+      if (KIND == kQ5K) hbits = load32(blk + 20);
       const __m256i one = _mm256_set1_epi8(1);
       for (int j = 0; j < 4; ++j) {
         const __m256i bits = load32(qs + 32 * j);
