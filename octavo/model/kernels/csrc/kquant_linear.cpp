@@ -126,36 +126,42 @@ void dequantize_block(const uint8_t* blk, float* out) {
   }
 }
 
-// portable: the same integer sums in plain loops
+// portable: the same integer sums in plain loops, each super-block unpacked once for up to 16
+// activation rows m0..m1-1
 template <int KIND>
-void row_dot_portable(const uint8_t* row, const Q8K& X, int64_t m, float* out, float bias) {
+void rows_dot_portable(const uint8_t* row, const Q8K& X, int64_t m0, int64_t m1, float* out,
+                       int64_t ldo, float bias) {
   alignas(64) uint8_t q[256];
   int sc[16], mn[8];
-  float acc = 0.f;
+  float acc[16] = {};
+  const int per = KIND == kQ6K ? 16 : 32;
   for (int64_t b = 0; b < X.nb; ++b) {
-    unpack_block<KIND>(row + b * kBytes[KIND], q, sc, mn);
-    const int8_t* xq = X.q + m * X.K + b * 256;
-    const int16_t* bs = X.bsums + m * (X.K / 16) + b * 16;
-    const float dx = X.d[m * X.nb + b];
-    const int per = KIND == kQ6K ? 16 : 32;
-    int32_t sumi = 0;
-    for (int s = 0; s < 256 / per; ++s) {
-      int32_t dot = 0;
-      for (int l = 0; l < per; ++l) dot += q[s * per + l] * xq[s * per + l];
-      if (KIND == kQ6K) dot -= 32 * bs[s];
-      sumi += sc[s] * dot;
-    }
     const uint8_t* blk = row + b * kBytes[KIND];
-    if (KIND == kQ6K) {
-      acc += half_to_float(blk + 208) * dx * static_cast<float>(sumi);
-    } else {
-      int32_t summ = 0;
-      for (int s = 0; s < 8; ++s) summ += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
-      acc += half_to_float(blk) * dx * static_cast<float>(sumi) -
-             half_to_float(blk + 2) * dx * static_cast<float>(summ);
+    unpack_block<KIND>(blk, q, sc, mn);
+    const float d = half_to_float(blk + (KIND == kQ6K ? 208 : 0));
+    const float dmin = KIND == kQ6K ? 0.f : half_to_float(blk + 2);
+    for (int64_t m = m0; m < m1; ++m) {
+      const int8_t* xq = X.q + m * X.K + b * 256;
+      const int16_t* bs = X.bsums + m * (X.K / 16) + b * 16;
+      const float dx = X.d[m * X.nb + b];
+      int32_t sumi = 0;
+      for (int s = 0; s < 256 / per; ++s) {
+        int32_t dot = 0;
+        for (int l = 0; l < per; ++l) dot += q[s * per + l] * xq[s * per + l];
+        if (KIND == kQ6K) dot -= 32 * bs[s];
+        sumi += sc[s] * dot;
+      }
+      float& a = acc[m - m0];
+      if (KIND == kQ6K) {
+        a += d * dx * static_cast<float>(sumi);
+      } else {
+        int32_t summ = 0;
+        for (int s = 0; s < 8; ++s) summ += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
+        a += d * dx * static_cast<float>(sumi) - dmin * dx * static_cast<float>(summ);
+      }
     }
   }
-  *out = acc + bias;
+  for (int64_t m = m0; m < m1; ++m) out[m * ldo] = acc[m - m0] + bias;
 }
 
 }  // namespace
@@ -252,8 +258,8 @@ void linear_rows(Path path, const uint8_t* q, int64_t row_bytes, const Q8K& X, i
     default:
       run_rows<KIND>(q, row_bytes, X, M, out, N, n0, n1, bias,
                      [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
-                       for (int64_t m = ms; m < me; ++m)
-                         row_dot_portable<KIND>(row, X, m, o + m * N, bn);
+                       for (int64_t m = ms; m < me; m += 16)
+                         rows_dot_portable<KIND>(row, X, m, std::min(me, m + 16), o, N, bn);
                      });
   }
 }
