@@ -121,7 +121,7 @@ def test_kernel_against_gguf_dequantized_matmul(isa, kind):
     ops = ops_for(isa)
     rng = np.random.default_rng(10 * kind + ISAS.index(isa))
     gen = torch.Generator().manual_seed(kind)
-    for n, k in ((37, 256), (5, 768), (1, 512)):
+    for n, k in ((37, 256), (5, 768)):
         raw = random_blocks(kind, n, k, rng)
         q, w = kquant.repack(kind, torch.from_numpy(raw)), gguf_dequantize(kind, raw)
         bias = torch.randn(n, generator=gen)
