@@ -39,6 +39,7 @@ BENCHMARKS = {
     "router": "octavo.bench.router",
     "gpu": "octavo.bench.gpu",
     "quant": "octavo.bench.quant",
+    "kquant": "octavo.bench.kquant",
 }
 
 
