@@ -110,18 +110,23 @@ def check_max_tokens(ctx: ServerContext, **given: int | None) -> None:
 
 def check_context_length(ctx: ServerContext, num_prompt: int, max_tokens: int | None,
                          param: str) -> None:
-    """vLLM's check: prompt + max_tokens must fit in max_model_len (both numbers given)."""
+    """vLLM's check, in vLLM's (and OpenAI's) words: prompt + max_tokens must fit in
+    max_model_len. Clients recognise an over-long prompt by this wording (LiteLLM raises its
+    ContextWindowExceededError, and routes to a fallback, on "This model's maximum context
+    length is")."""
     m = ctx.max_model_len
-    if num_prompt >= m:
+    if max_tokens is None and num_prompt >= m:
         raise bad_request(
-            f"the prompt has {num_prompt} tokens but max_model_len is {m}: it must be shorter, "
-            "leaving room for at least one generated token", param,
+            f"This model's maximum context length is {m} tokens. However, you requested "
+            f"{num_prompt} tokens in the messages, Please reduce the length of the messages.",
+            param,
         )
     if max_tokens is not None and num_prompt + max_tokens > m:
         raise bad_request(
-            f"this model's max_model_len is {m} tokens, but {num_prompt + max_tokens} were "
-            f"requested ({num_prompt} in the prompt, max_tokens={max_tokens}); lower max_tokens",
-            "max_tokens",
+            f"This model's maximum context length is {m} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in "
+            "the completion). Please reduce the length of the messages or completion.",
+            "max_tokens" if num_prompt < m else param,
         )
 
 
