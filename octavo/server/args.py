@@ -33,7 +33,7 @@ DEFAULT_LIMIT_CONCURRENCY = 4096
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_MAX_STORED_RESPONSES = 1000
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 

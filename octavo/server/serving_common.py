@@ -28,7 +28,7 @@ from octavo.outputs import RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from octavo.server.context import ServerContext
 from octavo.server.errors import OpenAIError, bad_request, error_body
-from octavo.server.protocol import SamplingFields, UsageInfo
+from octavo.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 
 LOGIT_BIAS_MAX_ENTRIES = 300  # OpenAI's limit
 
@@ -222,11 +222,14 @@ def engine_error(e: RequestAbortedError | EngineStepError) -> OpenAIError:
 
 
 def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
-    """Token counts of whole (cumulative or final) outputs."""
+    """Token counts of whole (cumulative or final) outputs; cached_tokens: the prompt tokens
+    the prefix cache held (OpenAI's prompt_tokens_details)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class StreamUsage:
@@ -234,16 +237,20 @@ class StreamUsage:
 
     def __init__(self) -> None:
         self._prompt: dict[int, int] = {}  # per prompt index
+        self._cached: dict[int, int] = {}
         self.completion = 0
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
         self._prompt[prompt_index] = len(out.prompt_token_ids)
+        self._cached[prompt_index] = out.num_cached_tokens
         self.completion += sum(len(c.token_ids) for c in out.outputs)
 
     def usage(self) -> UsageInfo:
         prompt = sum(self._prompt.values())
         return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion,
-                         total_tokens=prompt + self.completion)
+                         total_tokens=prompt + self.completion,
+                         prompt_tokens_details=PromptTokensDetails(
+                             cached_tokens=sum(self._cached.values())))
 
 
 # Characters JSON leaves raw that str.splitlines() (httpx's aiter_lines, many SSE readers)

@@ -66,7 +66,9 @@ ContentBlockParam = Annotated[
 
 
 class MessageParam(RequestModel):
-    role: Literal["user", "assistant"]
+    # "system" is not Anthropic's, but Claude Code sends system messages inside `messages`
+    # (as vLLM and SGLang accept them): they join the system prompt
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlockParam]
 
 
