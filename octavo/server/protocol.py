@@ -97,6 +97,8 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM: tokens of reasoning before the end-of-thinking marker is forced (--reasoning-budget)
+    thinking_token_budget: int | None = Field(None, ge=0)
     # vLLM: requests with different salts never share prefix-cache blocks (it joins the hash
     # of every block), so one tenant cannot time another's prompts
     cache_salt: NonEmptyText | None = None

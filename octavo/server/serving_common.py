@@ -63,6 +63,9 @@ def to_sampling_params(
         ctx.check_token_ids(body.stop_token_ids, "stop_token_ids")
     if body.allowed_token_ids:
         ctx.check_token_ids(body.allowed_token_ids, "allowed_token_ids")
+    budget = body.thinking_token_budget
+    if budget is None and ctx.config.reasoning_budget >= 0:
+        budget = ctx.config.reasoning_budget
     try:
         return SamplingParams(
             n=body.n,
@@ -87,6 +90,7 @@ def to_sampling_params(
             logit_bias=logit_bias,
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words,
+            thinking_token_budget=budget,
             structured_outputs=structured_outputs,
             # a stream sends what each step adds; a whole response needs only the end
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,

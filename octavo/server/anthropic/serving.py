@@ -161,6 +161,8 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences or None,
                       stream=body.stream)
+        if body.thinking is not None and body.thinking.type == "enabled":
+            fields["thinking_token_budget"] = body.thinking.budget_tokens
         if body.stream:
             fields["stream_options"] = {"include_usage": True}
     try:
