@@ -3,8 +3,8 @@
 The steps and their order follow vLLM so that outputs and user expectations match:
 logit_bias -> penalties (repetition on prompt+output, frequency/presence on output counts)
 -> allowed tokens (structured outputs' grammar, allowed_token_ids) -> min_tokens and bad-word
-bans -> a spent reasoning budget's forced token -> greedy rows take argmax -> other rows: temperature, top-k, top-p, min-p,
-then sample.
+bans -> a spent reasoning budget's forced token -> greedy rows take argmax -> other rows:
+temperature, top-k, top-p, min-p, then sample.
 
 Sampling uses the "exponential race" (argmax of probs / q with q ~ Exp(1)), which is equivalent
 to drawing from the categorical distribution but lets each seeded row draw its own q with its
