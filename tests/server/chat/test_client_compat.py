@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -60,13 +61,20 @@ def test_sdk_stream_helper_with_a_named_tool(client: openai.OpenAI) -> None:
     assert call.function.parsed_arguments["city"] in ("Paris", "Rome")
 
 
-def test_sdk_stream_helper_with_an_auto_tool(client: openai.OpenAI) -> None:
+NOTE_REQUEST = dict(model="tiny", messages=GO, tools=[NOTE], max_tokens=120, temperature=1.0,
+                    seed=5, extra_body={"structured_outputs": {"regex": HERMES_NOTE}})
+
+
+@pytest.fixture(scope="module")
+def whole(client: openai.OpenAI):
+    """The scripted auto call, not streamed."""
+    return client.chat.completions.create(**NOTE_REQUEST).choices[0].message.tool_calls[0]
+
+
+def test_sdk_stream_helper_with_an_auto_tool(client: openai.OpenAI, whole) -> None:
     """The model's call is read by the hermes parser; its arguments arrive in many deltas as
     they are generated, and add up to the arguments of the same output whole."""
-    body = dict(model="tiny", messages=GO, tools=[NOTE], max_tokens=80, temperature=1.0,
-                seed=5, extra_body={"structured_outputs": {"regex": HERMES_NOTE}})
-    whole = client.chat.completions.create(**body).choices[0].message.tool_calls[0]
-    with client.chat.completions.stream(**body) as stream:
+    with client.chat.completions.stream(**NOTE_REQUEST) as stream:
         deltas = [e.arguments_delta for e in stream
                   if e.type == "tool_calls.function.arguments.delta"]
         final = stream.get_final_completion()
@@ -78,11 +86,9 @@ def test_sdk_stream_helper_with_an_auto_tool(client: openai.OpenAI) -> None:
     assert len(call.function.parsed_arguments["text"]) == 12
 
 
-def test_continuation_chunks_carry_no_null_fields(server: RunningServer) -> None:
-    import httpx
-
-    body = {"model": "tiny", "messages": GO, "tools": [NOTE], "max_tokens": 80, "seed": 5,
-            "stream": True, "structured_outputs": {"regex": HERMES_NOTE}}
+def test_continuation_chunks_carry_no_null_fields(server: RunningServer, whole) -> None:
+    body = {**{k: v for k, v in NOTE_REQUEST.items() if k != "extra_body"},
+            **NOTE_REQUEST["extra_body"], "stream": True}
     calls = []
     with httpx.stream("POST", f"{server.v1}/chat/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -93,6 +99,7 @@ def test_continuation_chunks_carry_no_null_fields(server: RunningServer) -> None
     assert set(first) == {"index", "id", "type", "function"} and first["type"] == "function"
     assert rest and all(d.keys() == {"index", "function"} for d in rest)
     assert all(d["function"].keys() == {"arguments"} for d in rest)
+    assert "".join(d["function"]["arguments"] for d in calls) == whole.function.arguments
 
 
 def test_cached_tokens_and_cache_salt(client: openai.OpenAI) -> None:
