@@ -47,7 +47,7 @@ class ServerContext:
         self.max_prompt_chars = self.max_model_len * max(longest, 1)
         self.metrics = ServerMetrics(self.model_name, engine.stats,
                                      max_model_len=self.max_model_len,
-                                     cache_config=cache_config_info(llm))
+                                     cache_config=cache_config_info(engine.engine))
         engine.observer = self.metrics
         self._token_strs: dict[int, str] = {}
 
