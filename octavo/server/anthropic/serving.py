@@ -141,6 +141,9 @@ async def count_tokens(ctx: ServerContext, body: CountTokensRequest) -> CountTok
 
 # ---- request -> chat completion -------------------------------------------------------------
 def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+    if all(m.role == "system" for m in body.messages):
+        raise bad_request("messages: at least one user or assistant message is needed (system "
+                          "messages join the system prompt)", "messages")
     messages = chat_messages(body)
     last = messages[-1]
     fields: dict[str, Any] = {

@@ -90,6 +90,9 @@ def test_system_messages_are_hoisted_into_the_system_prompt(server: RunningServe
                                         messages=inline).input_tokens == hoisted
     r = client.messages.create(model="tiny", max_tokens=2, system="Base.", messages=inline)
     assert r.usage.input_tokens == hoisted and r.stop_reason == "max_tokens"
+    with pytest.raises(anthropic.BadRequestError, match="user or assistant message"):
+        client.messages.create(model="tiny", max_tokens=2, messages=[
+            {"role": "system", "content": ""}])
     with pytest.raises(anthropic.BadRequestError, match="text blocks only"):
         client.messages.create(model="tiny", max_tokens=2, messages=[
             {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "x"}]},
