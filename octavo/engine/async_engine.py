@@ -71,6 +71,9 @@ class OutputObserver(Protocol):
 
     def on_progress(self, progress: RequestProgress, prev_token_time: float | None) -> None: ...
 
+    def on_step(self, num_tokens: int) -> None:
+        """After each step that ran, with the tokens it computed."""
+
 
 class RequestStream:
     """Async iterator over one request's outputs; when behind, the newest cumulative output or
@@ -387,6 +390,11 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(EngineStepError(f"engine step failed: {e}"))
             return
+        if self.observer is not None:
+            try:
+                self.observer.on_step(self.engine.last_step_tokens)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("output observer failed")
         for progress in self.engine.step_progress:
             rid = progress.request_id
             if rid not in self._streams:

@@ -75,6 +75,7 @@ class LLMEngine:
                                               self.max_model_len, hasher, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
+        self.last_step_tokens = 0  # tokens the last step computed (prefill and decode)
         self._kv_mapper: KVMapper | None = None  # made on the first kv_map() call
         freeze_gc_heap()  # start-up's objects: no full collection walks them (gc_heap.py)
 
@@ -132,6 +133,7 @@ class LLMEngine:
             self.scheduler.step_failed(plan)
             raise
         self.scheduler.observe_step_time(plan, time.perf_counter() - started)
+        self.last_step_tokens = plan.num_tokens
         updates = self.scheduler.update_from_output(plan, out)
         self.scheduler.apply_text_stops(self.output_processor.process(updates))
         outputs = self.output_processor.make_outputs(updates)

@@ -45,7 +45,9 @@ class ServerContext:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="octavo-tokenize")
         longest = max((len(s) for s in self._token_texts()), default=1)
         self.max_prompt_chars = self.max_model_len * max(longest, 1)
-        self.metrics = ServerMetrics(self.model_name, engine.stats)
+        self.metrics = ServerMetrics(self.model_name, engine.stats,
+                                     max_model_len=self.max_model_len,
+                                     cache_config=cache_config_info(engine.engine))
         engine.observer = self.metrics
         self._token_strs: dict[int, str] = {}
 
@@ -81,10 +83,11 @@ class ServerContext:
     # ---- tokens (off the event loop) -----------------------------------------------------
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
-            raise bad_request(
-                f"the prompt has {num_chars} characters: more than max_model_len "
-                f"({self.max_model_len}) tokens of this vocabulary can hold (at most "
-                f"{self.max_prompt_chars} characters)", param,
+            raise bad_request(  # worded as vLLM's context-length error (serving_common.py)
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"the prompt has {num_chars} characters, more than {self.max_model_len} tokens "
+                f"of this vocabulary can hold (at most {self.max_prompt_chars} characters). "
+                "Please reduce the length of the messages.", param,
             )
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -142,6 +145,20 @@ class ServerContext:
             return await self._off_loop(render)
         except Exception as e:  # jinja errors, a template's own raise_exception(...)
             raise bad_request(f"could not apply the chat template: {e}", "messages") from e
+
+
+def cache_config_info(llm: Any) -> dict[str, object]:
+    """The KV cache's settings under vLLM's CacheConfig names (`vllm:cache_config_info`)."""
+    args = llm.args
+    return {
+        "block_size": args.block_size,
+        "cache_dtype": args.dtype,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "num_gpu_blocks": getattr(llm.kv, "num_blocks", 0),
+        "num_cpu_blocks": getattr(getattr(llm.kv, "cpu_pool", None), "num_blocks", 0),
+        "swap_space": args.swap_space or 0,
+    }
 
 
 def _text_length(value: Any) -> int:
