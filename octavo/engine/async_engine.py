@@ -55,6 +55,8 @@ class ModelInfo:
     vocab_size: int
     max_num_seqs: int
     scheduling_policy: str
+    # the KV cache's settings under vLLM's CacheConfig names (`vllm:cache_config_info`)
+    cache_config: tuple[tuple[str, object], ...] = ()
 
 
 class RequestAbortedError(RuntimeError):
@@ -172,9 +174,19 @@ class AsyncLLMEngine:
                  thread: EngineThread | None = None) -> None:
         """`thread`: the thread that built `engine`, to step it on (None: a new thread)."""
         self.engine = engine
+        args = engine.args
+        cache = {
+            "block_size": args.block_size,
+            "cache_dtype": args.dtype,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "num_gpu_blocks": engine.kv.num_blocks,
+            "num_cpu_blocks": getattr(getattr(engine.kv, "cpu_pool", None), "num_blocks", 0),
+            "swap_space": args.swap_space or 0,
+        }
         self.model_info = ModelInfo(engine.model_dir, engine.max_model_len,
-                                    engine.model_config.vocab_size, engine.args.max_num_seqs,
-                                    engine.args.scheduling_policy)
+                                    engine.model_config.vocab_size, args.max_num_seqs,
+                                    args.scheduling_policy, tuple(cache.items()))
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -47,7 +47,7 @@ class ServerContext:
         self.max_prompt_chars = self.max_model_len * max(longest, 1)
         self.metrics = ServerMetrics(self.model_name, engine.stats,
                                      max_model_len=self.max_model_len,
-                                     cache_config=cache_config_info(engine.engine))
+                                     cache_config=dict(info.cache_config))
         engine.observer = self.metrics
         self._token_strs: dict[int, str] = {}
 
@@ -145,20 +145,6 @@ class ServerContext:
             return await self._off_loop(render)
         except Exception as e:  # jinja errors, a template's own raise_exception(...)
             raise bad_request(f"could not apply the chat template: {e}", "messages") from e
-
-
-def cache_config_info(llm: Any) -> dict[str, object]:
-    """The KV cache's settings under vLLM's CacheConfig names (`vllm:cache_config_info`)."""
-    args = llm.args
-    return {
-        "block_size": args.block_size,
-        "cache_dtype": args.dtype,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "num_gpu_blocks": getattr(llm.kv, "num_blocks", 0),
-        "num_cpu_blocks": getattr(getattr(llm.kv, "cpu_pool", None), "num_blocks", 0),
-        "swap_space": args.swap_space or 0,
-    }
 
 
 def _text_length(value: Any) -> int:
