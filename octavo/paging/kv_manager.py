@@ -264,13 +264,8 @@ class KVCacheManager:
         if not from_tier:
             return []
         assert self.tier is not None
-        payloads = []
-        for g, i in from_tier:
-            payload = self.tier.read(hits[g][i].key, self.prefix_cache.block_tokens(seq, i))
-            if payload is None:
-                return None
-            payloads.append(payload)
-        return payloads
+        return self.tier.read([hits[g][i].key for g, i in from_tier],
+                              [self.prefix_cache.block_tokens(seq, i) for _, i in from_tier])
 
     def _register_loaded(self, state: SeqBlocks, from_tier: list[tuple[int, int]],
                          payloads: list[memoryview]) -> None:

@@ -136,23 +136,37 @@ class PrefixCache:
 
     def _full_hits(self, seq: KVSeq, g: int, n: int) -> list[Hit | None]:
         """The leading blocks of `seq` cached in `g`, each chained onto the one before (in the
-        pool), then those the tier holds."""
+        pool), then those the tier holds (asked once for the rest of the prefix)."""
         hits: list[Hit | None] = []
-        parent_key: int | None = 0  # None: the prefix went on in the tier
+        parent_key = 0
         for i in range(n):
-            key = self.key(seq.block_hashes[i], g)
-            blk: Hit | None = None
-            if parent_key is not None:
-                blk = self.pool.get_cached_block(key, self.block_tokens(seq, i), parent_key,
-                                                 seq.extra_key)
+            blk = self.pool.get_cached_block(self.key(seq.block_hashes[i], g),
+                                             self.block_tokens(seq, i), parent_key,
+                                             seq.extra_key)
             if blk is None:
-                if not self._in_tier(key):
-                    break
-                blk, parent_key = TierBlock(key), None
-            else:
-                parent_key = blk.cache_key
+                break
             hits.append(blk)
+            parent_key = blk.cache_key
+        if self.tier is not None and len(hits) < n:
+            keys = [self.key(seq.block_hashes[i], g) for i in range(len(hits), n)]
+            found = self._tier_seen_leading(keys)
+            hits += [TierBlock(k) for k in keys[:found]]
         return hits
+
+    def _tier_seen_leading(self, keys: list[bytes]) -> int:
+        """count_leading, remembered for the rest of this lookup (its loop asks again)."""
+        assert self.tier is not None
+        n = 0
+        while n < len(keys) and self._tier_seen.get(keys[n]):
+            n += 1
+        if n < len(keys) and keys[n] not in self._tier_seen:
+            found = self.tier.count_leading(keys[n:])
+            for k in keys[n:n + found]:
+                self._tier_seen[k] = True
+            if n + found < len(keys):
+                self._tier_seen[keys[n + found]] = False
+            n += found
+        return n
 
     def _window_hits(self, seq: KVSeq, g: int, n: int,
                      anchor: list[Hit | None] | None) -> list[Hit | None]:

@@ -139,6 +139,17 @@ class DiskStore:
         self._note(key, size)
         return True
 
+    def count_leading(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for key in keys:
+            if not self.contains(key):
+                break
+            n += 1
+        return n
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        return [self.get(key) for key in keys]
+
     def get(self, key: bytes) -> bytearray | None:
         path = self.path(key)
         try:

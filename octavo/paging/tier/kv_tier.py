@@ -67,35 +67,50 @@ class KVTier:
         self.blocks_loaded = 0
         self.bytes_read = 0
         self.read_seconds = 0.0
+        self.reads = 0  # sequences' reads (each of all the tier blocks its prefix needs)
         self.read_failures = 0
 
     # -- lookups and loads (engine thread) ------------------------------------------------------
     def contains(self, key: bytes) -> bool:
         return key not in self._bad and self.store.contains(key)
 
-    def read(self, key: bytes, token_ids: Sequence[int]) -> memoryview | None:
-        """The checked payload of block `key` over `token_ids`, or None (logged): a missing,
-        truncated, corrupt or foreign record is never loaded."""
+    def count_leading(self, keys: Sequence[bytes]) -> int:
+        """How many of the leading `keys` the tier holds (as far as `contains` knows)."""
+        for n, key in enumerate(keys):
+            if key in self._bad:
+                keys = keys[:n]
+                break
+        return self.store.count_leading(keys) if keys else 0
+
+    def read(self, keys: Sequence[bytes], token_ids: Sequence[Sequence[int]]
+             ) -> list[memoryview] | None:
+        """The checked payloads of blocks `keys` over `token_ids`, or None (logged) when one
+        fails: a missing, truncated, corrupt or foreign record is never loaded, and the tier
+        forgets it (so a lookup stops before it)."""
         started = time.perf_counter()
-        data = self.store.get(key)
-        payload = None
-        if data is None:
-            why = "missing (removed by another server, or the directory vanished)"
-        else:
+        records = self.store.get_many(keys)
+        payloads: list[memoryview] = []
+        failed = None
+        for key, toks, data in zip(keys, token_ids, records, strict=True):
+            if data is None:
+                failed = key, "missing (removed by another server, or the directory vanished)"
+                break
             try:
-                payload = decode(data, key, token_ids)
+                payloads.append(decode(data, key, toks))
             except TierRecordError as e:
-                why = str(e)
                 self.store.remove(key)  # nobody can use it
+                failed = key, str(e)
+                break
+            self.bytes_read += len(data)
         self.read_seconds += time.perf_counter() - started
-        if payload is None:
-            self.read_failures += 1
-            self._bad.add(key)
-            logger.warning("KV tier: block %s not loaded (%s); recomputing it", key.hex()[:16],
-                           why)
-            return None
-        self.bytes_read += len(data)  # type: ignore[arg-type]
-        return payload
+        self.reads += 1
+        if failed is None:
+            return payloads
+        self.read_failures += 1
+        self._bad.add(failed[0])
+        logger.warning("KV tier: block %s not loaded (%s); recomputing from there",
+                       failed[0].hex()[:16], failed[1])
+        return None
 
     def add_load(self, block_id: int, payload: memoryview) -> None:
         self._loads[block_id] = payload
@@ -177,6 +192,7 @@ class KVTier:
             "tier_blocks_loaded": self.blocks_loaded,
             "tier_bytes_read": self.bytes_read,
             "tier_read_seconds": self.read_seconds,
+            "tier_reads": self.reads,
             "tier_read_failures": self.read_failures,
             "tier_saves_waiting": len(self._saves),
             **self.writer.stats(),

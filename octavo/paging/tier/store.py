@@ -23,8 +23,16 @@ class TierStore(Protocol):
         """Whether a record is believed to exist (a later `get` may still miss)."""
         ...
 
+    def count_leading(self, keys: Sequence[bytes]) -> int:
+        """How many of the leading `keys` `contains` (one round trip for a remote store)."""
+        ...
+
     def get(self, key: bytes) -> bytearray | None:
         """The record, or None (missing, vanished, unreadable)."""
+        ...
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        """`get` of each key (one round trip for a remote store)."""
         ...
 
     def put(self, key: bytes, parts: Sequence[bytes | memoryview], size: int) -> bool:
