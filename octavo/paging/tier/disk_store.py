@@ -165,7 +165,10 @@ class DiskStore:
                     got += n
                 view.release()
         except FileNotFoundError:
-            self._forget(key)
+            if self.root.is_dir():
+                self._forget(key)
+            else:  # the whole tier is gone: so is everything the index knew
+                self.scan()
             return None
         except OSError as e:
             self.read_errors += 1
@@ -206,11 +209,7 @@ class DiskStore:
                 return False
         try:
             try:
-                for part in parts:
-                    view = memoryview(part).cast("B")
-                    while view.nbytes:
-                        n = os.write(fd, view)
-                        view = view[n:]
+                self._write_record(fd, parts)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -226,6 +225,14 @@ class DiskStore:
         if self._bytes > self.capacity_bytes:
             self.evict(int(self.capacity_bytes * EVICT_MARGIN))
         return True
+
+    @staticmethod
+    def _write_record(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view.nbytes:
+                n = os.write(fd, view)
+                view = view[n:]
 
     def remove(self, key: bytes) -> None:
         self._forget(key)
