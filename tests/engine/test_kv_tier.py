@@ -16,6 +16,7 @@ import pytest
 
 from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
+from octavo.paging import BlockHasher
 from octavo.paging.tier import DiskStore
 from octavo.paging.tier.record import record_size
 from tests.model.models.test_families import (
@@ -147,14 +148,11 @@ def test_two_servers_share_one_tier(llama, tmp_path) -> None:
     assert stats["tier_blocks_written"] == 0  # nothing new to write: the first one did
 
 
-def corrupt(files: list[Path]) -> None:
-    """One file flipped, one truncated, one gone: every kind a reader may meet."""
-    flip, cut, gone = files[0], files[1], files[2]
-    data = bytearray(flip.read_bytes())
-    data[-7] ^= 0xFF
-    flip.write_bytes(bytes(data))
-    cut.write_bytes(cut.read_bytes()[: len(cut.read_bytes()) // 2])
-    gone.unlink()
+def block_key(prompt: list[int], i: int) -> bytes:
+    """The tier key of block i of a prompt (block size 16, no cache salt, group 0)."""
+    hashes: list[bytes] = []
+    BlockHasher(16).extend(hashes, prompt, None)
+    return hashes[i]
 
 
 def test_corrupt_truncated_and_missing_records_are_recomputed(llama, written_tier, tmp_path,
@@ -163,15 +161,23 @@ def test_corrupt_truncated_and_missing_records_are_recomputed(llama, written_tie
     tier = tmp_path / "tier"
     shutil.copytree(src, tier)
     llm = tier_llm(llama, tier, block_size=16, num_kv_blocks=128)
-    files = sorted(tier.rglob("*.kvb"))
-    assert len(files) >= 3
-    corrupt(files)
+    store = llm.engine.tier.store
+    # the last block of the first prompt flipped, a block of the second's own truncated, the
+    # second block of the third gone: every kind of damage a reader may meet
+    flip, cut, gone = (store.path(block_key(prompts[0], 6)), store.path(block_key(prompts[1], 7)),
+                       store.path(block_key(prompts[2], 1)))
+    data = bytearray(flip.read_bytes())
+    data[-7] ^= 0xFF
+    flip.write_bytes(bytes(data))
+    cut.write_bytes(cut.read_bytes()[:100])
+    gone.unlink()
     with caplog.at_level("WARNING"):
         assert generate(llm, prompts) == ref
     stats = llm.stats()
-    assert stats["tier_read_failures"] >= 1
-    assert "recomputing" in caplog.text
-    assert not any(f.exists() for f in files[:2])  # a record that failed its check is removed
+    assert stats["tier_read_failures"] == 3
+    assert stats["tier_hit_tokens"] == (6 + 1 + 1) * 16  # up to each damaged block
+    assert caplog.text.count("recomputing from there") == 3
+    assert not flip.exists() and not cut.exists()  # a record that failed its check is removed
 
 
 def test_a_vanished_tier_directory_falls_back_to_recompute(llama, written_tier,
