@@ -241,3 +241,26 @@ def test_another_model_or_block_size_never_reads_the_records(llama, written_tier
     llm = tier_llm(llama, tier, block_size=32, num_kv_blocks=64)
     generate(llm, prompts)
     assert llm.stats()["tier_hit_tokens"] == 0
+
+
+def test_the_page_map_shows_blocks_on_their_way_to_and_from_the_tier(llama, tmp_path) -> None:
+    short, long = make_prompts(10, 64, (1,))[0], make_prompts(11, 64, (1,))[0]
+    llm = tier_llm(llama, tmp_path / "tier", block_size=16, num_kv_blocks=64)
+    engine = llm.engine
+    engine.add_request("short", {"prompt_token_ids": short},
+                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    engine.add_request("long", {"prompt_token_ids": long}, GREEDY)
+    engine.step()  # the short one finishes: its blocks wait for the next step's copy
+    saving = engine.kv_map()["device"]["tier_saving"]
+    assert len(saving) == len(short) // 16
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_map()["device"]["tier_saving"] == []
+    written(llm)
+    again = tier_llm(llama, tmp_path / "tier", block_size=16, num_kv_blocks=64)
+    again.engine.add_request("r", {"prompt_token_ids": short}, GREEDY)
+    again.engine.step()
+    loaded = again.engine.kv_map()["device"]["tier_loaded"]
+    assert loaded == sorted(again.engine.kv.block_table(again.engine.scheduler.running[0]
+                                                        .seqs[0].seq_id)[: len(loaded)])
+    assert len(loaded) == (len(short) - 1) // 16

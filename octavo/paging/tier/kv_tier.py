@@ -62,6 +62,7 @@ class KVTier:
         self._queued: set[bytes] = set()  # noted or being written: not offered twice
         self._loads: dict[int, memoryview] = {}  # block id -> payload, not yet in a plan
         self._inflight_loads: list[int] = []
+        self.last_loaded: list[int] = []  # the block ids the last plan loaded (the page map)
         self._bad: set[bytes] = set()  # records that failed to load, until written again
         self.hit_tokens = 0
         self.blocks_loaded = 0
@@ -140,13 +141,18 @@ class KVTier:
     def has_pending_saves(self) -> bool:
         return bool(self._saves)
 
+    def saving_block_ids(self) -> list[int]:
+        """Blocks on their way down: noted, waiting for the next step to copy them out (the
+        page map)."""
+        return [s.block_id for s in self._saves]
+
     # -- a step's I/O ---------------------------------------------------------------------------
     def take_io(self) -> tuple[list[int], list[tuple[int, memoryview]]]:
         """This plan's saves (block ids whose bytes the runner copies out before anything else)
         and loads ((block id, payload), written before the forward pass)."""
         self._inflight_saves, self._saves = self._saves, []
         loads = list(self._loads.items())
-        self._inflight_loads = [b for b, _ in loads]
+        self._inflight_loads = self.last_loaded = [b for b, _ in loads]
         self._loads = {}
         return [s.block_id for s in self._inflight_saves], loads
 
