@@ -16,6 +16,7 @@ import pytest
 
 from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
+from octavo.engine_args import EngineArgs, EngineArgsError
 from octavo.paging import BlockHasher
 from octavo.paging.tier import DiskStore
 from octavo.paging.tier.record import record_size
@@ -264,3 +265,18 @@ def test_the_page_map_shows_blocks_on_their_way_to_and_from_the_tier(llama, tmp_
     assert loaded == sorted(again.engine.kv.block_table(again.engine.scheduler.running[0]
                                                         .seqs[0].seq_id)[: len(loaded)])
     assert len(loaded) == (len(short) - 1) // 16
+
+
+@pytest.mark.parametrize(("opts", "bad"), [
+    ({"kv_offload_bytes": 1 << 20}, "kv_offload_bytes"),
+    ({"kv_offload_dir": "/t", "kv_offload_url": "redis://h:1/0"}, "kv_offload_url"),
+    ({"kv_offload_url": "redis://h:1/0", "kv_offload_bytes": 1 << 20}, "kv_offload_bytes"),
+    ({"kv_offload_url": "http://h:1"}, "kv_offload_url"),
+    ({"kv_offload_dir": "/t", "enable_prefix_caching": False}, "kv_offload_dir"),
+    ({"kv_offload_dir": "/t", "tensor_parallel_size": 2}, "kv_offload_dir"),
+    ({"kv_offload_dir": "/t", "kv_offload_write": "always"}, "kv_offload_write"),
+])
+def test_tier_options_are_checked(opts, bad) -> None:
+    with pytest.raises(EngineArgsError) as e:
+        EngineArgs(**opts)
+    assert e.value.option == bad
