@@ -1,9 +1,10 @@
 """Block tables on top of a BlockPool: allocate slots, fork (copy-on-write), free, swap.
 
-KVCacheManager holds every sequence's block tables and owns three parts it calls through
-their public methods: the prefix cache (prefix_cache.py), the swap space (swap_space.py) and
-the groups' window geometry (group_windows.py); its stats and invariants are functions over
-its public state (kv_audit.py).
+KVCacheManager holds every sequence's block tables and owns the parts it calls through their
+public methods: the prefix cache (prefix_cache.py), the swap space (swap_space.py), the
+groups' window geometry (group_windows.py) and, where there is one, the KV tier below the
+pool (tier/kv_tier.py); its stats and invariants are functions over its public state
+(kv_audit.py).
 
 The scheduler's side of the contract, on vLLM v1's lines: `get_computed_blocks(seq)` finds a
 new sequence's cached prefix (a pure query), then one `allocate_slots(seq, n, cached)` either
@@ -12,8 +13,10 @@ changes nothing. There is no separate "can I?" question to go stale before the "
 
 Slots are counted as computed when handed out (`seq.num_computed_tokens` moves here and only
 here), because the runner writes them in the same step. Copies are only recorded; the runner
-moves the KV tensors: swap-out copies first (their sources may be reused right after), then
-copy-on-write copies, then swap-in copies, all before the forward pass writes new KV. Blocks
+moves the KV tensors: the KV tier's saves first (blocks let go of since the last step, whose
+memory this step may reuse), then swap-out copies (their sources may be reused right after),
+swap-in copies, the tier's loads (into fresh blocks) and copy-on-write copies, all before the
+forward pass writes new KV. Blocks
 registered in the prefix cache during a step can be hit by a sequence scheduled later in the
 same step, so the runner must write all of a step's new KV before attention reads it (a
 flattened batch does this per layer).
