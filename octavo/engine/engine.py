@@ -168,8 +168,10 @@ class LLMEngine:
         return self.output_processor.progress
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (tensor parallelism), and give what start-up froze back
-        to the garbage collector."""
+        """Stop the executor's workers (tensor parallelism), let the KV tier's writer finish
+        (up to 10 s), and give what start-up froze back to the garbage collector."""
+        if self.tier is not None and not self.executor.dead:
+            self.flush_tier_saves()  # what the last aborts let go of
         self.executor.shutdown()
         if self.tier is not None:
             self.tier.close(timeout=10.0)
