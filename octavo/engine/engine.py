@@ -116,6 +116,8 @@ class LLMEngine:
             return False
         self.scheduler.abort_request(request)
         self.output_processor.abort_request(request_id)
+        if not self.scheduler.has_unfinished() and not self.executor.dead:
+            self.flush_tier_saves()  # no step may come to copy out what it let go of
         return True
 
     def has_unfinished_requests(self) -> bool:

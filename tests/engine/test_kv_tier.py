@@ -280,3 +280,16 @@ def test_tier_options_are_checked(opts, bad) -> None:
     with pytest.raises(EngineArgsError) as e:
         EngineArgs(**opts)
     assert e.value.option == bad
+
+
+def test_an_aborted_requests_blocks_reach_the_tier_without_another_step(llama,
+                                                                         tmp_path) -> None:
+    prompt = make_prompts(13, 64, (1,))[0]
+    llm = tier_llm(llama, tmp_path / "tier", block_size=16, num_kv_blocks=64)
+    engine = llm.engine
+    engine.add_request("r", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort_request("r")
+    assert engine.kv_map()["device"]["tier_saving"] == []
+    assert written(llm) == len(prompt) // 16
