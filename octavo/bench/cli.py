@@ -40,6 +40,7 @@ BENCHMARKS = {
     "gpu": "octavo.bench.gpu",
     "quant": "octavo.bench.quant",
     "kquant": "octavo.bench.kquant",
+    "kv_tier": "octavo.bench.kv_tier",
 }
 
 

@@ -125,6 +125,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def tier_flush_plan(self) -> StepPlan | None:
+        """A plan that only copies out the blocks waiting for the KV tier (an idle engine runs
+        it, so a finished request's blocks reach the tier without waiting for new work)."""
+        if not self.kv.has_tier_saves():
+            return None
+        plan = StepPlan()
+        plan.tier_saves, plan.tier_loads = self.kv.take_tier_io()
+        return plan
+
     @property
     def num_running_seqs(self) -> int:
         return sum(len(r.live_seqs) for r in self.running)
@@ -173,6 +182,7 @@ class Scheduler:
         ):
             self._admit_waiting(plan, budget)
         plan.block_copies = self.kv.take_block_copies()
+        plan.tier_saves, plan.tier_loads = self.kv.take_tier_io()
         plan.swap_out, self._swap_out = self._swap_out, []
         plan.finished_seq_ids, self._dropped = self._dropped, []
         self.peak_running_seqs = max(self.peak_running_seqs, self.num_running_seqs)
@@ -459,6 +469,7 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, out: RunnerOutput) -> list[RequestUpdate]:
         """Append what the runner sampled, finish what tokens alone finish (EOS, stop token ids,
         length: their blocks go back at once), take the beam steps; one update per request."""
+        self.kv.tier_io_done(out.saved_blocks)
         now = time.monotonic()
         updates: dict[str, RequestUpdate] = {}
 
@@ -562,6 +573,7 @@ class Scheduler:
         cache but never computed, so nobody may hit them (the caller aborts the requests)."""
         for chunk in plan.chunks:
             self.kv.uncache_from(chunk.seq_id, chunk.start_pos)
+        self.kv.tier_io_failed()  # so were blocks it was to load from the KV tier
         self._dropped.extend(plan.finished_seq_ids)  # the runner may not have seen them
 
     # ---- freeing --------------------------------------------------------------------------

@@ -218,7 +218,9 @@ def serve_data_parallel(ns: argparse.Namespace) -> int:
             max_request_body_bytes=server.max_request_body_bytes,
             enable_auto_tool_choice=server.enable_auto_tool_choice,
             tool_call_parser=server.tool_call_parser,
-            shutdown_timeout=server.shutdown_timeout)
+            shutdown_timeout=server.shutdown_timeout,
+            kv_tier_shared=getattr(ns, "kv_offload_dir", None) is not None
+            or getattr(ns, "kv_offload_url", None) is not None)
         router = router_server(config, make_hasher(config), host=ns.host, port=ns.port,
                                log_level=ns.uvicorn_log_level)
 

@@ -9,9 +9,9 @@ router reads `octavo:kv_blocks_total` from each replica.
 
 Each app gets its own CollectorRegistry, so several servers (tests) live in one process.
 Two sources feed it:
-- engine-wide numbers (queues, KV blocks, waste, token and prefix-cache totals) are read from
-  the engine thread's latest stats() snapshot at scrape time by a custom collector, so nothing
-  has to mirror the engine's counters;
+- engine-wide numbers (queues, KV blocks, waste, token and prefix-cache totals, the KV tier's
+  traffic and occupancy) are read from the engine thread's latest stats() snapshot at scrape
+  time by a custom collector, so nothing has to mirror the engine's counters;
 - per-request numbers are histograms observed on the engine thread as requests leave each
   step (the server's stream may skip steps when a client lags; the engine thread sees them all).
 """
@@ -23,7 +23,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from octavo.outputs import RequestProgress
@@ -89,6 +94,29 @@ SPEC_COUNTERS = (
     ("spec_decode_num_draft_tokens", "Number of draft tokens."),
     ("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
 )
+# the KV tier (only when there is one): vLLM's name for prefix hits from outside the pool, then
+# the tier's own traffic and occupancy
+TIER_COUNTERS = (
+    ("external_prefix_cache_hits", "tier_hit_tokens",
+     "Prompt tokens loaded from the KV tier instead of computed."),
+    ("kv_tier_blocks_loaded", "tier_blocks_loaded", "KV blocks loaded from the tier."),
+    ("kv_tier_bytes_read", "tier_bytes_read", "Bytes read from the KV tier."),
+    ("kv_tier_read_failures", "tier_read_failures",
+     "KV tier records that could not be loaded (missing, corrupt): recomputed."),
+    ("kv_tier_blocks_written", "tier_blocks_written", "KV blocks written to the tier."),
+    ("kv_tier_bytes_written", "tier_bytes_written", "Bytes written to the KV tier."),
+    ("kv_tier_write_errors", "tier_write_errors",
+     "KV tier writes that failed (a full disk, an unreachable store)."),
+    ("kv_tier_blocks_write_dropped", "tier_blocks_write_dropped",
+     "KV blocks not written because the tier's writer was behind."),
+    ("kv_tier_evictions", "tier_evictions", "KV tier records evicted to keep its bound."),
+)
+TIER_GAUGES = (
+    ("kv_tier_bytes", "tier_bytes", "Bytes the KV tier holds."),
+    ("kv_tier_blocks", "tier_blocks", "KV blocks the tier holds."),
+    ("kv_tier_bytes_limit", "tier_bytes_limit", "The KV tier's size bound (0: the store's own)."),
+    ("kv_tier_writes_pending", "tier_writes_pending", "KV blocks queued for the tier's writer."),
+)
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 RECENT = 4096  # latest latency observations kept for the dashboard
 RECENT_WINDOW_S = 30.0
@@ -134,6 +162,7 @@ class EngineStatsCollector(Collector):
         for prefix, counters in ((VLLM, VLLM_COUNTERS), (OCTAVO, OCTAVO_COUNTERS)):
             for name, key, doc in counters:
                 yield self._counter(prefix + name, doc, float(s.get(key, 0)))
+        yield from self._tier(s)
         if "spec_decode_num_drafts" not in s:
             return
         for name, doc in SPEC_COUNTERS:
@@ -144,6 +173,24 @@ class EngineStatsCollector(Collector):
             if key.startswith(PER_POS + "_"):
                 c.add_metric([*self.labels, key[len(PER_POS) + 1:]], float(value))
         yield c
+
+
+    def _tier(self, s: dict[str, int | float]) -> Iterable[Metric]:
+        """The KV tier's metrics (only where there is one): its prefix hits under vLLM's name,
+        its own traffic and occupancy under octavo's."""
+        if "tier_hit_tokens" not in s:
+            return
+        for name, key, doc in TIER_COUNTERS:
+            prefix = VLLM if name == "external_prefix_cache_hits" else OCTAVO
+            yield self._counter(prefix + name, doc, float(s.get(key, 0)))
+        for name, key, doc in TIER_GAUGES:
+            yield self._gauge(OCTAVO + name, doc, float(s.get(key, 0)))
+        r = SummaryMetricFamily(OCTAVO + "kv_tier_read_seconds",
+                                "Time to read and check a prefix's KV tier blocks.",
+                                labels=LABELS)
+        r.add_metric(self.labels, count_value=float(s.get("tier_reads", 0)),
+                     sum_value=float(s.get("tier_read_seconds", 0.0)))
+        yield r
 
 
 class ServerMetrics:

@@ -10,7 +10,7 @@ fit, `init_kv_cache(n)` allocates them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +61,8 @@ class StepLogits:
     prompt: dict[int, torch.Tensor]
     # the plan as computed: with the drafts the runner proposed filled in
     plan: StepPlan
+    # the bytes of the plan's tier_saves blocks, copied out before the step wrote anything
+    saved_blocks: list[bytes] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -213,7 +215,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
         logits = self.forward(plan)
-        return self._sample(logits.plan, logits)
+        out = self._sample(logits.plan, logits)
+        out.saved_blocks = logits.saved_blocks
+        return out
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -226,12 +230,17 @@ class ModelRunner:
         if self.drafter is not None:
             for seq_id in plan.finished_seq_ids + [n.seq_id for n in plan.new_seqs]:
                 self.drafter.forget(seq_id)
-        self.kv_cache.swap_out(plan.swap_out)
-        self.kv_cache.swap_in(plan.swap_in)
-        self.kv_cache.copy_blocks(plan.block_copies)
+        kv = self.kv_cache
+        # the KV tier's saves first: this step may reuse their blocks (kv_manager.py's order)
+        saved = [kv.read_block(b) for b in plan.tier_saves]
+        kv.swap_out(plan.swap_out)
+        kv.swap_in(plan.swap_in)
+        for block_id, data in plan.tier_loads:
+            kv.write_block(block_id, data)
+        kv.copy_blocks(plan.block_copies)
         if not plan.chunks:
             empty = torch.empty(0, self.config.vocab_size, device=self.device)
-            return StepLogits(sample=empty, prompt={}, plan=plan)
+            return StepLogits(sample=empty, prompt={}, plan=plan, saved_blocks=saved)
         if self.drafter is not None and any(c.num_draft_tokens for c in plan.chunks):
             drafts = self.drafter.propose(plan.chunks, self.batch, self.kv_cache, self.backend)
             plan = replace(plan, chunks=[replace(c, draft_token_ids=drafts[c.seq_id])
@@ -271,7 +280,7 @@ class ModelRunner:
         sampled = take_rows(logits, sample_rows)
         return StepLogits(sample=sampled,
                           prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows},
-                          plan=plan)
+                          plan=plan, saved_blocks=saved)
 
     def _sample(self, plan: StepPlan, logits: StepLogits) -> RunnerOutput:
         """Sample every sampling chunk's sequences. A chunk with drafts samples each of its
