@@ -179,6 +179,8 @@ class SchedulerConfig:
     preemption_mode: str
     scheduling_policy: str
     speculative: SpeculativeConfig | None = None
+    long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget
+    max_num_partial_prefills: int = 0  # 0: as many prompts per step as the budget allows
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft")
@@ -287,9 +289,6 @@ class KVGroups:
     @property
     def has_window(self) -> bool:
         return any(w is not None for w in self.windows)
-
-    def group_layers(self, group: int) -> list[int]:
-        return [i for i, g in enumerate(self.layer_group) if g == group]
 
     @classmethod
     def single(cls, num_layers: int, window: int | None = None) -> KVGroups:

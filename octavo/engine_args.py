@@ -10,61 +10,39 @@ command line. A neutral module: stdlib only, so the CLI parses and fails fast wi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import json
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import Any
 
 from octavo.config import SchedulerConfig, SpeculativeConfig
+from octavo.options import (
+    OptionError,
+    add_flags,
+    at_least,
+    check_options,
+    flag,
+    option,
+    options_from_flags,
+)
 
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
-class EngineArgsError(ValueError):
+class EngineArgsError(OptionError):
     """A bad engine option; `option` is its field name (the CLI shows it as a flag)."""
 
-    def __init__(self, option: str, problem: str) -> None:
-        super().__init__(f"{option}: {problem}")
-        self.option = option
-        self.problem = problem
 
-
-def _opt(default: Any, help: str, *, choices: Iterable[Any] | None = None,
-         check: Callable[[Any], str | None] | None = None, cli: bool = True) -> Any:
-    """A field with its help text, allowed values and a check returning a problem or None."""
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "check": check,
-            "cli": cli}
-    return field(default=default, metadata=meta)
-
-
-def _at_least(low: int | float) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        return None if v is None or v >= low else f"must be >= {low}, got {v}"
-    return check
+_opt = option
+_at_least = at_least
 
 
 def _fraction(v: float) -> str | None:
     return None if 0.0 < v <= 1.0 else f"must be in (0, 1], got {v}"
-
-
-def _type_problem(kind: str, value: Any) -> str | None:
-    if value is None:
-        return None if "None" in kind else "must be given, got None"
-    base = kind.split("|")[0].strip()
-    ok = {
-        "bool": isinstance(value, bool),
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, int | float) and not isinstance(value, bool),
-        "str": isinstance(value, str),
-        "tuple": isinstance(value, tuple),
-        "dict": isinstance(value, dict),
-    }[base]
-    return None if ok else f"must be {'a ' + base if base != 'int' else 'an int'}, got {value!r}"
 
 
 def _speculative(v: dict | None) -> str | None:
@@ -75,6 +53,12 @@ def _speculative(v: dict | None) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+def _redis_url(v: str | None) -> str | None:
+    if v is None or v.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    return f"must be a redis://, rediss:// or unix:// URL, got {v!r}"
 
 
 def _device(v: str) -> str | None:
@@ -105,9 +89,26 @@ class EngineArgs:
     gpu_memory_utilization: float = _opt(
         0.9, "share of the GPU's memory the engine may use, weights included", check=_fraction)
     swap_space: float | None = _opt(
-        None, "host memory for swapped-out KV blocks, GiB (default: as many host blocks as "
-        "device blocks with preemption_mode=swap, else none)", check=_at_least(0))
+        None, "host memory for swapped-out KV blocks, GiB (default with preemption_mode=swap: "
+        "4, as vLLM, and at most as many blocks as the device has; else none)",
+        check=_at_least(0))
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of identical prompt prefixes")
+    kv_offload_dir: str | None = _opt(
+        None, "a directory for the KV tier below the pool: full prefix-cache blocks are "
+        "written there in the background, and a prefix the pool no longer holds is loaded back "
+        "instead of recomputed; it outlives the server, and several servers of the same model "
+        "may share it")
+    kv_offload_url: str | None = _opt(
+        None, "a remote KV tier instead of a directory, for servers on several machines: "
+        "redis://host:port/db (Redis or Valkey; bound it with the server's maxmemory and "
+        "maxmemory-policy allkeys-lru)", check=_redis_url)
+    kv_offload_bytes: int | None = _opt(
+        None, "the size bound of kv_offload_dir; the least recently used blocks go first "
+        "(default: 16 GiB)", check=_at_least(1))
+    kv_offload_write: str = _opt(
+        "free", "when a block goes to the KV tier: free (when its last request lets go of it: "
+        "a restart or another server finds it at once) or evict (only when the pool needs its "
+        "memory: fewer writes)", choices=("free", "evict"))
     kv_allocator: str = _opt(
         "paged", "paged, or the contiguous reserve-up-front baseline (for benchmarks)",
         choices=("paged", "contiguous"))
@@ -119,6 +120,13 @@ class EngineArgs:
     max_num_batched_tokens: int = _opt(
         2048, "tokens per engine step; longer prompts are prefilled in chunks",
         check=_at_least(1))
+    long_prefill_token_threshold: int = _opt(
+        0, "a prompt takes at most this many tokens of one step's budget (vLLM's name; 0: the "
+        "whole budget), so a long prefill cannot stretch the steps every decode waits for",
+        check=_at_least(0))
+    max_num_partial_prefills: int = _opt(
+        0, "prompts prefilled in the same step at most (vLLM's name; 0: as many as the budget "
+        "allows); the others wait, so the decodes' steps stay short", check=_at_least(0))
     preemption_mode: str = _opt("recompute", "what a preempted request gives up",
                                 choices=("recompute", "swap"))
     scheduling_policy: str = _opt("fcfs", "fcfs, or priority (lower value first)",
@@ -164,9 +172,15 @@ class EngineArgs:
         False, "never replay decode steps from CUDA graphs (on CUDA with the Triton backend "
         "they are captured per batch-size bucket at start-up)")
     cpu_isa: str = _opt(
-        "auto", "instruction set of the compiled CPU kernels: auto (the CPU's best; "
-        "OCTAVO_CPU_ISA overrides), avx512, avx2 or portable",
-        choices=("auto", "avx512", "avx2", "portable"))
+        "auto", "instruction set of the compiled CPU kernels: auto (the CPU's best), avx512, "
+        "avx2 or portable", choices=("auto", "avx512", "avx2", "portable"))
+    packed_gemv_rows: int | None = _opt(
+        None, "steps of up to this many rows run octavo's GEMV on the oneDNN-packed weights "
+        "(0: never, oneDNN's GEMM throughout; default: the kernel's own limit)",
+        check=_at_least(0))
+    decode_stack: bool = _opt(
+        True, "run an all-decode step's layers in one C++ loop on CPU where the model allows "
+        "(off: the Python layers, the same kernels in the same order)")
     logits_processors: tuple = _opt(
         (), "custom logits processors (octavo.model.sample.logits_processor.LogitsProcessor "
         "subclasses, or their names as pkg.module:Class; comma-separated on the command line)")
@@ -176,18 +190,7 @@ class EngineArgs:
             object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
         if self.quantization == "none":  # the command line's spelling of None
             object.__setattr__(self, "quantization", None)
-        for f in fields(self):
-            value = getattr(self, f.name)
-            choices, check = f.metadata["choices"], f.metadata["check"]
-            problem = _type_problem(str(f.type), value)
-            if problem is not None:
-                raise EngineArgsError(f.name, problem)
-            if choices is not None and value is not None and value not in choices:
-                allowed = ", ".join(map(str, choices))
-                raise EngineArgsError(f.name, f"{value!r} is not one of {allowed}")
-            problem = check(value) if check is not None else None
-            if problem is not None:
-                raise EngineArgsError(f.name, problem)
+        check_options(self, EngineArgsError)
         if self.speculative_config is not None and self.logits_processors:
             # a custom processor keeps per-sequence state a step of several positions breaks
             raise EngineArgsError("speculative_config", "cannot be combined with "
@@ -199,6 +202,7 @@ class EngineArgs:
             if self.tensor_parallel_size > 1:
                 raise EngineArgsError("quantization", "cannot be combined with "
                                       "tensor_parallel_size > 1 yet")
+        self._check_kv_offload()
         if self.tensor_parallel_size > 1:
             if self.distributed_executor_backend == "uni":
                 raise EngineArgsError("distributed_executor_backend", "uni runs one rank; "
@@ -208,6 +212,26 @@ class EngineArgs:
             if spec is not None and spec.method != "ngram":
                 raise EngineArgsError("speculative_config", f"method {spec.method!r} does not "
                                       "run with tensor_parallel_size > 1 yet (ngram does)")
+
+    def _check_kv_offload(self) -> None:
+        name = ("kv_offload_dir" if self.kv_offload_dir is not None
+                else "kv_offload_url" if self.kv_offload_url is not None else None)
+        if name is None:
+            if self.kv_offload_bytes is not None:
+                raise EngineArgsError("kv_offload_bytes", "bounds a KV tier directory: give "
+                                      "kv_offload_dir too")
+            return
+        if self.kv_offload_dir is not None and self.kv_offload_url is not None:
+            raise EngineArgsError("kv_offload_url", "give a KV tier directory or a URL, not "
+                                  "both")
+        if self.kv_offload_url is not None and self.kv_offload_bytes is not None:
+            raise EngineArgsError("kv_offload_bytes", "bounds a KV tier directory; a Redis or "
+                                  "Valkey tier is bounded by the server's maxmemory")
+        if not self.enable_prefix_caching or self.kv_allocator != "paged":
+            raise EngineArgsError(name, "the KV tier holds prefix-cache blocks: it needs "
+                                  "enable_prefix_caching and the paged KV cache")
+        if self.tensor_parallel_size > 1:
+            raise EngineArgsError(name, "cannot be combined with tensor_parallel_size > 1 yet")
 
     @property
     def executor_backend(self) -> str:
@@ -222,6 +246,8 @@ class EngineArgs:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
             scheduling_policy=self.scheduling_policy,
@@ -243,7 +269,7 @@ class EngineArgs:
 
 OPTION_NAMES = tuple(f.name for f in fields(EngineArgs))
 # options whose None the command line spells "none" (their default is something else)
-_NONE_SPELLED = {f.name for f in fields(EngineArgs) if "none" in (f.metadata["choices"] or ())}
+_NONE_SPELLED = {f.name for f in fields(EngineArgs) if "none" in (f.metadata.get("choices") or ())}
 
 
 def from_kwargs(**kwargs: Any) -> EngineArgs:
@@ -259,65 +285,16 @@ def from_kwargs(**kwargs: Any) -> EngineArgs:
 
 
 # -- command line -----------------------------------------------------------------------------
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def add_cli_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
                  exclude: Iterable[str] = (), overrides_only: bool = False) -> None:
     """One flag per option. `overrides_only`: no defaults, so only the flags given show up in
     the namespace (for `octavo bench`, whose benchmarks choose their own engine settings)."""
-    skip = set(exclude)
-    defaults = EngineArgs()
-    for f in fields(EngineArgs):
-        if f.name in skip or not f.metadata["cli"]:
-            continue
-        default = argparse.SUPPRESS if overrides_only else getattr(defaults, f.name)
-        kw: dict[str, Any] = {"dest": f.name, "default": default}
-        help_text = f.metadata["help"]
-        if not overrides_only and "default" not in help_text:
-            help_text += " (default: %(default)s)"
-        if f.type in ("bool", bool):
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = _cli_type(f)
-            kw["metavar"] = f.name.upper()
-            if f.metadata["choices"] is not None:
-                kw["choices"] = f.metadata["choices"]
-                kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
-        parser.add_argument(flag(f.name), help=help_text, **kw)
-
-
-def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
-    kind = str(f.type)
-    if kind.startswith("int"):
-        return int
-    if kind.startswith("float"):
-        return float
-    if kind.startswith("dict"):
-        return _json_dict
-    if kind.startswith("tuple"):
-        return lambda text: tuple(part.strip() for part in text.split(",") if part.strip())
-    return str
-
-
-def _json_dict(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
+    add_flags(parser, EngineArgs, exclude=exclude, overrides_only=overrides_only)
 
 
 def from_cli_args(ns: argparse.Namespace) -> EngineArgs:
     """EngineArgs from a parsed namespace; a bad value is reported with its flag."""
-    given = {name: getattr(ns, name) for name in OPTION_NAMES if hasattr(ns, name)}
-    try:
-        return EngineArgs(**given)
-    except EngineArgsError as e:
-        raise EngineArgsError(flag(e.option), e.problem) from None
+    return options_from_flags(EngineArgs, ns)
 
 
 def to_cli_flags(options: dict[str, Any]) -> list[str]:

@@ -1,8 +1,10 @@
 """What the engine hands back: vLLM's RequestOutput / CompletionOutput / Logprob shapes.
 
-Outputs are cumulative (the whole text and token list so far), as vLLM's default; a streaming
-server takes the delta itself. A neutral module: every layer may import it (the runner builds
-Logprobs, the engine RequestOutputs, the server reads both).
+Outputs are cumulative (the whole text and token list so far) by default, as in vLLM; a
+request whose SamplingParams ask for `RequestOutputKind.DELTA` gets only what is new in each
+output, and `RequestOutput.add` merges two such deltas (a stream whose reader lags). A neutral
+module: every layer may import it (the runner builds Logprobs, the engine RequestOutputs, the
+server reads both).
 """
 
 from __future__ import annotations
@@ -48,6 +50,41 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float | None] = field(default_factory=dict)
+
+    def add(self, later: RequestOutput) -> None:
+        """Merge a later DELTA output of the same request into this one (in place): texts,
+        token ids and logprobs appended per sequence, the rest taken from `later`."""
+        mine = {o.index: o for o in self.outputs}
+        for o in later.outputs:
+            have = mine.get(o.index)
+            if have is None:
+                self.outputs.append(o)
+                mine[o.index] = o
+                continue
+            have.text += o.text
+            have.token_ids = have.token_ids + o.token_ids
+            if o.logprobs is not None:
+                have.logprobs = (have.logprobs or []) + o.logprobs
+            have.cumulative_logprob = o.cumulative_logprob
+            have.finish_reason, have.stop_reason = o.finish_reason, o.stop_reason
+        self.outputs.sort(key=lambda o: o.index)
+        self.prompt_logprobs = later.prompt_logprobs
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics
+
+
+@dataclass(slots=True)
+class RequestProgress:
+    """A request a step touched, whatever its output kind: its timestamps (RequestOutput's
+    `metrics` keys) and whether it finished. What metrics observe; carries no tokens."""
+
+    request_id: str
+    metrics: dict[str, float | None]
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0  # so far, over all its sequences
 
 
 @dataclass

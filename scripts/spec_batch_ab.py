@@ -1,5 +1,5 @@
 """The `mixed, 64 at once` case of `octavo bench spec` alone: speculation off vs n-gram on one
-checkout, two interleaved repeats (BENCHMARKS.md section 9, stop 16's A/B).
+checkout, two interleaved repeats (docs/bench/notes/prefill-attention.md).
 
     .venv/bin/python scripts/spec_batch_ab.py new
     # the same against an older commit, from a worktree of it, with its own ops cache:

@@ -33,7 +33,6 @@ policy, not a whole AVX2 machine.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from typing import Any
@@ -51,7 +50,6 @@ from octavo.model.kernels.cpu_isa import native_bf16, supported_isas
 from octavo.model.layers.attention import get_backend
 from octavo.model.layers.attention.base import AttentionMetadata, PrefillChunk
 from octavo.model.layers.attention.cpu_backend import CpuPagedAttentionBackend
-from octavo.model.layers.linear import GEMV_ENV_VAR
 from octavo.model.sources import resolve_model_dir
 
 DECODE_BATCH, DECODE_CTX, BLOCK = 32, 512, 16
@@ -214,17 +212,11 @@ def single_stream_rows(opts: BenchOptions, isas: list[str], repeats: int) -> lis
     if native_bf16(isas[0]):
         runs += [(isas[0], True, "bfloat16"), (isas[0], False, "bfloat16")]
     for isa, gemv, dtype in runs:
-        saved = os.environ.get(GEMV_ENV_VAR)
+        overrides = {**opts.engine_overrides, "cpu_isa": isa}
         if not gemv:
-            os.environ[GEMV_ENV_VAR] = "0"
-        try:
-            llm = make_llm(opts.model, overrides={**opts.engine_overrides, "cpu_isa": isa},
-                           dtype=dtype, max_model_len=512 if opts.model else 2048)
-        finally:
-            if saved is None:
-                os.environ.pop(GEMV_ENV_VAR, None)
-            else:
-                os.environ[GEMV_ENV_VAR] = saved
+            overrides["packed_gemv_rows"] = 0
+        llm = make_llm(opts.model, overrides=overrides, dtype=dtype,
+                       max_model_len=512 if opts.model else 2048)
         forward_s = timed_forward(llm)
         prefill, decode, fwd, steps = [], [], [], []
         for rep in range(repeats + 1):  # the first is a warm-up

@@ -12,7 +12,7 @@ floor says how much room is left beside the matmuls.
 The floor's passes reuse one layer's weights (with the vocabulary projection's at decode size),
 so that layer's weights stay in the CPU's caches. `own_weights_s` times the same FLOPs over as
 many sets of weights as the model has layers, each read from memory as in a real step: what
-oneDNN reaches on the model itself. On stop 38's 2-vCPU Xeon its decode rate was 4-7% lower
+oneDNN reaches on the model itself. On a 2-vCPU Intel Xeon its decode rate was 4-7% lower
 than the floor's at one thread and 12-15% lower at two, its prefill rate within 5%. The floor
 stays the stricter reference.
 """

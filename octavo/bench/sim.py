@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from octavo.bench.workloads import Workload, poisson_arrivals
 from octavo.paging import ContiguousAllocator, KVCacheManager, KVSeq, WasteTracker
+from octavo.paging.kv_audit import sliding_blocks_held
 from octavo.paging.waste import SLOT_KEYS
 
 ALLOCATORS = ("contiguous-max", "contiguous-request", "paged")
@@ -75,7 +76,7 @@ def max_held_slots(kv, running: list[_Seq]) -> int:
     only), or its whole reservation (contiguous)."""
     if isinstance(kv, KVCacheManager):
         if kv.windows[0] is not None:
-            return kv.sliding_blocks_held() * kv.block_size
+            return sliding_blocks_held(kv) * kv.block_size
         return max((-(-s.kv.num_computed_tokens // kv.block_size) * kv.block_size
                     for s in running if s.kv is not None), default=0)
     return max((s.reserved_slots for s in running), default=0)
@@ -143,9 +144,11 @@ def simulate(
             known = seq.prompt_len + seq.generated  # a recomputed sequence re-prefills all
             if paged and kv.num_free_blocks() - -(-known // bs) < wm_blocks and running:
                 break
-            tokens = KVSeq(seq.index, range(known))
-            if kv.allocate_slots(tokens, known, reserve_tokens=seq.prompt_len + seq.output_len,
-                                 final_tokens=seq.prompt_len + seq.output_len - 1) is None:
+            tokens = KVSeq(seq.index, range(known),
+                           reserve_tokens=seq.prompt_len + seq.output_len)
+            # the baseline's waste report tells reserved slots never used from those to come
+            final = {} if paged else {"final_tokens": seq.prompt_len + seq.output_len - 1}
+            if kv.allocate_slots(tokens, known, **final) is None:
                 break
             seq.kv = tokens
             if not paged:

@@ -6,7 +6,7 @@ max_model_len 2048: the contiguous baseline then fits only budget / 2048 request
 which is the point. Repeats are interleaved (repeat r of every engine before repeat r+1 of
 any) so that load from other users of the machine lands on all engines alike; the reported
 time is the median. vLLM runs in its own interpreter and process, so its repeats are not
-interleaved with ours; its ratio is against octavo's median from the same session.
+interleaved with ours; its ratio is against octavo's median from the same run.
 
 A block-size sweep (1, 16, 128) times `engine.scheduler.schedule` per step against the whole
 step, to show that paging's bookkeeping stays a small share of a step at any block size.

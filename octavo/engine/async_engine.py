@@ -13,8 +13,9 @@ run on the event loop. The split:
   awaits the engine thread's verdict, so a bad prompt (empty, too long, ids out of range) comes
   back as the engine's own ValueError before an HTTP response has started.
 
-Outputs are cumulative, so a stream keeps only the newest one when its consumer lags: a slow
-client costs no memory and never holds the engine back.
+When a stream's consumer lags, the stream keeps one pending item: the newest cumulative
+output, or the merge of the DELTA outputs it has not handed out yet. A slow client never holds
+the engine back, and costs at most the tokens it has not read.
 
 Failures stay contained: a model step that raises fails only the requests of that step (the
 others, waiting, go on); only a bug in this loop itself stops the thread, which the server
@@ -31,17 +32,31 @@ import queue
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from octavo.engine.engine import LLMEngine, StepFailed
 from octavo.engine.engine_thread import EngineThread
 from octavo.engine.executor import WorkerDiedError
-from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.outputs import RequestOutput, RequestProgress
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a front end needs to know of the model an engine serves."""
+
+    model_dir: Path
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    scheduling_policy: str
+    # the KV cache's settings under vLLM's CacheConfig names (`vllm:cache_config_info`)
+    cache_config: tuple[tuple[str, object], ...] = ()
 
 
 class RequestAbortedError(RuntimeError):
@@ -53,20 +68,26 @@ class EngineStepError(RuntimeError):
 
 
 class OutputObserver(Protocol):
-    """Sees every output on the engine thread, for metrics (must be thread-safe and quick)."""
+    """Sees every request each step touched, on the engine thread, for metrics (must be
+    thread-safe and quick); `prev_token_time`: its last_token_time at its previous step."""
 
-    def on_output(self, out: RequestOutput, prev_token_time: float | None) -> None: ...
+    def on_progress(self, progress: RequestProgress, prev_token_time: float | None) -> None: ...
+
+    def on_step(self, num_tokens: int) -> None:
+        """After each step that ran, with the tokens it computed."""
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative outputs, newest first when behind.
+    """Async iterator over one request's outputs; when behind, the newest cumulative output or
+    the merged deltas.
 
     Fed on the event loop by the engine thread's batched callback; the last item is a finished
     output or an exception.
     """
 
-    def __init__(self, request_id: str, owner: AsyncLLMEngine) -> None:
+    def __init__(self, request_id: str, owner: AsyncLLMEngine, delta: bool = False) -> None:
         self.request_id = request_id
+        self.delta = delta  # its request asked for DELTA outputs
         self._owner = owner
         self._latest: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
@@ -75,7 +96,11 @@ class RequestStream:
     def _put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(self._latest, BaseException):
             return  # an error is final
-        self._latest = item
+        if (self.delta and isinstance(item, RequestOutput)
+                and isinstance(self._latest, RequestOutput)):
+            self._latest.add(item)  # deltas add up; a cumulative output replaces the last
+        else:
+            self._latest = item
         self._ready.set()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -149,6 +174,19 @@ class AsyncLLMEngine:
                  thread: EngineThread | None = None) -> None:
         """`thread`: the thread that built `engine`, to step it on (None: a new thread)."""
         self.engine = engine
+        args = engine.args
+        cache = {
+            "block_size": args.block_size,
+            "cache_dtype": args.dtype,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "num_gpu_blocks": engine.kv.num_blocks,
+            "num_cpu_blocks": getattr(getattr(engine.kv, "cpu_pool", None), "num_blocks", 0),
+            "swap_space": args.swap_space or 0,
+        }
+        self.model_info = ModelInfo(engine.model_dir, engine.max_model_len,
+                                    engine.model_config.vocab_size, args.max_num_seqs,
+                                    args.scheduling_policy, tuple(cache.items()))
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -231,7 +269,9 @@ class AsyncLLMEngine:
         if not self.accepting:
             raise RequestAbortedError(self.dead or "the server is shutting down")
         assert self._loop is not None
-        streams = [RequestStream(r.request_id, self) for r in requests]
+        streams = [RequestStream(r.request_id, self,
+                                 r.params.output_kind == RequestOutputKind.DELTA)
+                   for r in requests]
         future = self._loop.create_future()
         self._pending_adds += len(requests)
         self._commands.put(_Add(list(requests), streams, future))
@@ -362,20 +402,28 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(EngineStepError(f"engine step failed: {e}"))
             return
-        batch: list[tuple[RequestStream, RequestOutput | BaseException]] = []
-        for out in outputs:
-            rid = out.request_id
-            stream = self._streams.get(rid)
-            if stream is None:
+        if self.observer is not None:
+            try:
+                self.observer.on_step(self.engine.last_step_tokens)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("output observer failed")
+        for progress in self.engine.step_progress:
+            rid = progress.request_id
+            if rid not in self._streams:
                 continue  # aborted between the step's schedule and its output
             if self.observer is not None:
                 try:
-                    self.observer.on_output(out, self._last_token_time.get(rid))
+                    self.observer.on_progress(progress, self._last_token_time.get(rid))
                 except Exception:  # metrics must never take the engine down
                     logger.exception("output observer failed")
-            self._last_token_time[rid] = out.metrics.get("last_token_time")
+            self._last_token_time[rid] = progress.metrics.get("last_token_time")
+        batch: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
             if out.finished:
-                self._forget(rid)
+                self._forget(out.request_id)
             batch.append((stream, out))
         if batch:
             self._call_soon(_deliver, batch)

@@ -23,6 +23,7 @@ from octavo.engine.executor import Executor, make_executor
 from octavo.engine.input_processor import InputProcessor, load_tokenizer
 from octavo.engine.kv_map import KVMapper
 from octavo.engine.kv_sizing import check_max_model_len, make_kv_manager, resolve_max_model_len
+from octavo.engine.kv_tier_setup import fingerprint, open_tier
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.request import Request
 from octavo.engine.scheduler import Scheduler
@@ -30,7 +31,7 @@ from octavo.engine.structured_output import StructuredOutputs
 from octavo.engine_args import EngineArgs
 from octavo.gc_heap import freeze_gc_heap
 from octavo.model.sources import resolve_model_dir
-from octavo.outputs import RequestOutput
+from octavo.outputs import RequestOutput, RequestProgress
 from octavo.paging.block_hash import BlockHasher
 from octavo.sampling_params import BeamSearchParams, SamplingParams
 
@@ -63,12 +64,16 @@ class LLMEngine:
         # the weights in memory (per rank under TP) and what quantization saved
         self.weight_stats = {k: path.get(k, 0) for k in ("weights_bytes",
                                                          "quantization_saved_bytes")}
+        self.tier = None
+        if args.kv_offload_dir is not None or args.kv_offload_url is not None:
+            fp = fingerprint(args, self.model_dir, self.model_config, path["dtype"],
+                             self.executor.kv_block_format())
+            self.tier = open_tier(args, fp)
         self.kv = make_kv_manager(args, blocks.num_blocks, blocks.num_host_blocks,
-                                  self.max_model_len, self.model_config)
+                                  self.max_model_len, self.model_config, self.tier)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
-        drafter = self.executor.drafter
-        if self.scheduler.speculator is not None and drafter is not None:
-            self.scheduler.speculator.draft_token_share = drafter.share
+        if self.executor.drafter is not None:
+            self.scheduler.set_draft_token_share(self.executor.drafter.share)
         caching = args.enable_prefix_caching and args.kv_allocator == "paged"
         hasher = BlockHasher(args.block_size) if caching else None
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
@@ -76,6 +81,7 @@ class LLMEngine:
                                               self.max_model_len, hasher, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
+        self.last_step_tokens = 0  # tokens the last step computed (prefill and decode)
         self._kv_mapper: KVMapper | None = None  # made on the first kv_map() call
         freeze_gc_heap()  # start-up's objects: no full collection walks them (gc_heap.py)
 
@@ -111,6 +117,8 @@ class LLMEngine:
             return False
         self.scheduler.abort_request(request)
         self.output_processor.abort_request(request_id)
+        if not self.scheduler.has_unfinished() and not self.executor.dead:
+            self.flush_tier_saves()  # no step may come to copy out what it let go of
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -132,22 +140,45 @@ class LLMEngine:
             self.structured.wait(plan)
             self.scheduler.step_failed(plan)
             raise
-        if self.scheduler.speculator is not None and plan.chunks:  # its cost model's data
-            self.scheduler.speculator.cost.observe(
-                plan.num_tokens, sum(len(c.sample_seq_ids) for c in plan.chunks),
-                time.perf_counter() - started)
+        self.scheduler.observe_step_time(plan, time.perf_counter() - started)
+        self.last_step_tokens = plan.num_tokens
         updates = self.scheduler.update_from_output(plan, out)
-        outputs, stopped = self.output_processor.process(updates)
-        self.scheduler.finish_seqs(stopped)
-        for output in outputs:
-            if output.finished:
-                self.requests.pop(output.request_id, None)
+        self.scheduler.apply_text_stops(self.output_processor.process(updates))
+        outputs = self.output_processor.make_outputs(updates)
+        for progress in self.output_processor.progress:
+            if progress.finished:
+                self.requests.pop(progress.request_id, None)
+        if not self.scheduler.has_unfinished():
+            self.flush_tier_saves()
         return outputs
 
+    def flush_tier_saves(self) -> None:
+        """Copy out the blocks waiting for the KV tier now (a plan with nothing else in it),
+        so that finished requests' blocks reach the tier while the engine idles."""
+        plan = self.scheduler.tier_flush_plan()
+        if plan is None:
+            return
+        try:
+            out = self.executor.execute(plan)
+        except Exception:
+            self.kv.tier_io_failed()
+            logger.exception("KV tier: copying blocks out failed; they stay in memory only")
+            return
+        self.kv.tier_io_done(out.saved_blocks)
+
+    @property
+    def step_progress(self) -> list[RequestProgress]:
+        """Every request the last step touched, with its timestamps, outputs or not."""
+        return self.output_processor.progress
+
     def shutdown(self) -> None:
-        """Stop the executor's workers (tensor parallelism), and give what start-up froze back
-        to the garbage collector."""
+        """Stop the executor's workers (tensor parallelism), let the KV tier's writer finish
+        (up to 10 s), and give what start-up froze back to the garbage collector."""
+        if self.tier is not None and not self.executor.dead:
+            self.flush_tier_saves()  # what the last aborts let go of
         self.executor.shutdown()
+        if self.tier is not None:
+            self.tier.close(timeout=10.0)
         gc.unfreeze()
 
     # ---- introspection --------------------------------------------------------------------
@@ -156,21 +187,7 @@ class LLMEngine:
         return self.executor.kernel_path()
 
     def stats(self) -> dict[str, int | float]:
-        s = dict(self.kv.stats())
-        sch = self.scheduler
-        s.update(
-            num_requests_running=len(sch.running),
-            num_requests_waiting=len(sch.waiting),
-            num_requests_swapped=len(sch.swapped),
-            num_preemptions=sch.num_preemptions,
-            peak_running_seqs=sch.peak_running_seqs,
-            prompt_tokens_total=sch.num_prompt_tokens_total,
-            generation_tokens_total=sch.num_generation_tokens_total,
-            **self.weight_stats,
-        )
-        if sch.speculator is not None:
-            s.update(sch.speculator.stats.as_stats())
-        return s
+        return {**self.kv.stats(), **self.scheduler.stats(), **self.weight_stats}
 
     def kv_map(self, contiguous: str | None = "request", block_tables: bool = False) -> dict:
         """The page map now: every block's state, the requests, stats() and the contiguous

@@ -2,7 +2,7 @@
 
 Built on the engine thread between two steps, so the block states, the block tables and
 `stats()` all describe the same moment. The layout is documented with the endpoint in
-ARCHITECTURE.md; the block-state letters are paging/kv_map.py's.
+ARCHITECTURE.md; the block-state letters are paging/views/kv_map.py's.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any, Protocol
 from octavo.engine.request import Request
 from octavo.engine.scheduler import Scheduler
 from octavo.paging.allocator import KVAllocator
-from octavo.paging.contiguous import ContiguousAllocator
-from octavo.paging.contiguous_shadow import ContiguousShadow
+from octavo.paging.baseline.contiguous import ContiguousAllocator
 from octavo.paging.kv_manager import KVCacheManager
-from octavo.paging.kv_map import (
+from octavo.paging.views.contiguous_shadow import ContiguousShadow
+from octavo.paging.views.kv_map import (
     CONTIGUOUS_STATES,
     HOST_STATES,
     block_state,

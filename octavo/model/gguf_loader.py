@@ -6,7 +6,7 @@ model in fp32.
    shape and records which checkpoint tensors each parameter is made of.
 2. Plan (`keep_blocks`): every linear layer whose tensors `GGUFBlocks.get` returns blocks for
    becomes a block layer (quant/gguf_weights.py); its dense weight is never allocated. The
-   token embedding too, where block layers can widen single rows, sharing the tied LM head's
+   token embedding too (its lookup widens only the step's rows), sharing the tied LM head's
    blocks.
 3. Fill: the rest is allocated in the model's dtype and loaded by the same family loader, each
    tensor dequantized on its own into fp32 and copied in (the largest transient: one tensor);
@@ -25,21 +25,17 @@ from torch import nn
 
 from octavo.config import ModelConfig
 from octavo.model.models.llama import LlamaForCausalLM
-from octavo.model.quant.block_quant import BlockQuantLinear
+from octavo.model.quant.block_concat import BlockConcat
+from octavo.model.quant.gguf_blocks import FORMATS, block_linears, fused_linear
 from octavo.model.quant.gguf_file import GGUFFile
 from octavo.model.quant.gguf_tensors import GGUFTensors, check_architecture
-from octavo.model.quant.gguf_weights import (
-    BlockEmbedding,
-    GGUFBlocks,
-    block_linear,
-    concat_blocks,
-    rows_lookup_supported,
-)
+from octavo.model.quant.gguf_weights import BlockEmbedding, GGUFBlocks
 from octavo.model.quant.quantization import QuantReport
 
 logger = logging.getLogger(__name__)
 
 EMBEDDING = "embed_tokens"
+BlockLayer = nn.Module  # a BlockQuantLinear, or a BlockConcat of them (gguf_blocks.fused_linear)
 
 
 def load_gguf(model: LlamaForCausalLM, config: ModelConfig, gguf_path: Path,
@@ -76,14 +72,13 @@ def load_gguf(model: LlamaForCausalLM, config: ModelConfig, gguf_path: Path,
 
 
 def _plan_blocks(model: nn.Module, sources: dict[str, list[str]], tensors: GGUFTensors,
-                 blocks: GGUFBlocks) -> dict[str, BlockQuantLinear]:
+                 blocks: GGUFBlocks) -> dict[str, BlockLayer]:
     """Module path -> the block layer that replaces it (one object for modules made of the
     same tensors: a tied LM head and the embedding)."""
-    made: dict[tuple[str, ...], BlockQuantLinear | None] = {}
-    layers: dict[str, BlockQuantLinear] = {}
-    lookup = rows_lookup_supported()
+    made: dict[tuple[str, ...], BlockLayer | None] = {}
+    layers: dict[str, BlockLayer] = {}
     for path, module in model.named_modules():
-        embedding = path == EMBEDDING and type(module) is nn.Embedding and lookup
+        embedding = path == EMBEDDING and type(module) is nn.Embedding
         if type(module) is not nn.Linear and not embedding:
             continue
         out_in = tuple(module.weight.shape)
@@ -92,10 +87,9 @@ def _plan_blocks(model: nn.Module, sources: dict[str, list[str]], tensors: GGUFT
             continue
         if names not in made:
             found = [tensors.block_source(n) for n in names]
-            parts = None
+            made[names] = None
             if all(f is not None for f in found):
-                parts = concat_blocks([blocks.get(*f) for f in found if f is not None])
-            made[names] = None if parts is None else block_linear(parts)
+                made[names] = fused_linear([blocks.get(*f) for f in found if f is not None])
         layer = made[names]
         if layer is None:
             continue
@@ -106,7 +100,17 @@ def _plan_blocks(model: nn.Module, sources: dict[str, list[str]], tensors: GGUFT
     return layers
 
 
-def _swap_in(model: nn.Module, layers: dict[str, BlockQuantLinear], dtype: torch.dtype,
+def _set_bias(layer: BlockLayer, bias: torch.Tensor) -> None:
+    """The fused layer's bias, cut by rows over a BlockConcat's parts."""
+    start = 0
+    for part in layer.parts if isinstance(layer, BlockConcat) else [layer]:
+        n = part.out_features
+        part.bias = nn.Parameter(bias[start:start + n].detach().float().clone(),
+                                 requires_grad=False)
+        start += n
+
+
+def _swap_in(model: nn.Module, layers: dict[str, BlockLayer], dtype: torch.dtype,
              gguf_path: Path) -> QuantReport:
     formats: Counter[str] = Counter()
     before = after = 0
@@ -115,17 +119,17 @@ def _swap_in(model: nn.Module, layers: dict[str, BlockQuantLinear], dtype: torch
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, attr)
-        shape = (layer.out_features, layer.in_features)
-        before += shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
-        if id(layer) not in counted:
+        if id(layer) not in counted:  # a tied head and its embedding: one tensor, one layer
             counted.add(id(layer))
+            before += (layer.out_features * layer.in_features
+                       * torch.empty((), dtype=dtype).element_size())
             after += layer.nbytes()
-            formats[layer.fmt.name] += 1
+            formats["+".join(p.fmt.name for p in block_linears(layer))] += 1
         if isinstance(old, nn.Embedding):
             setattr(parent, attr, BlockEmbedding(layer, dtype))
             continue
         if old.bias is not None:
-            layer.bias = nn.Parameter(old.bias.detach().float(), requires_grad=False)
+            _set_bias(layer, old.bias)
         setattr(parent, attr, layer)
     report = QuantReport("gguf", len(layers), before, after)
     if layers:
@@ -135,5 +139,5 @@ def _swap_in(model: nn.Module, layers: dict[str, BlockQuantLinear], dtype: torch
                     before / 2**20, after / 2**20)
     else:
         logger.warning("quantization gguf: no tensor of %s is of a type run in blocks (%s); "
-                       "every weight is dequantized", gguf_path.name, "Q4_0, Q4_1, Q8_0")
+                       "every weight is dequantized", gguf_path.name, ", ".join(FORMATS))
     return report

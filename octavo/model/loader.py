@@ -1,11 +1,13 @@
-"""Building a model from its directory: the family's class created on the meta device, its
-weights loaded (this rank's slice of them under tensor parallelism), quantized or kept in their
+"""Building a model from its directory: the family's class created on the meta device in its
+dtype (`create_model`: nothing is allocated before the device gets each parameter once, in the
+dtype it computes in), its weights streamed from the safetensors files tensor by tensor, each
+rank reading only its slice (`load_safetensors`, checkpoint.py), then quantized or kept in their
 GGUF blocks where asked, linears packed for the CPU kernels, and the fused ops chosen.
 
-An HF directory's safetensors are read whole; a model given as a GGUF file is filled from the
-file itself, tensor by tensor (gguf_loader.py). Where the directory comes from (an HF
-directory, a GGUF file, an installed model's name) is sources.py's business, as is what
-`quantization="auto"` means for it.
+A model given as a GGUF file is filled from the file itself, tensor by tensor, its block
+layers put in place of the dense ones where kept in blocks (gguf_loader.py). Where the
+directory comes from (an HF directory, a GGUF file, an installed model's name) is sources.py's
+business, as is what `quantization="auto"` means for it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from octavo.config import ModelConfig
+from octavo.model.checkpoint import SafetensorsCheckpoint
 from octavo.model.gguf_loader import load_gguf
 from octavo.model.kernels.cpu_ops import load_cpu_ops, resolve_kernels, select_cpu_ops
 from octavo.model.layers.decoder import RotaryEmbedding
@@ -33,52 +35,36 @@ def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, linear_backend: str | None = None, fused_ops: str | None = None,
     isa: str | None = None, tp: TPGroup | None = None, quantization: str | None = None,
-    group_size: int = 32,
+    group_size: int = 32, packed_gemv_rows: int | None = None,
 ) -> LlamaForCausalLM:
     """The model (with `tp` of size > 1: this rank's slice of it, see tensor_parallel.py;
-    with `quantization`, its linear layers quantized, see quantization.py)."""
+    with `quantization`, its linear layers quantized, see quantization.py). `packed_gemv_rows`:
+    the most rows a step's linear layers run packed_gemv for (0: never; None: its limit)."""
     shards = ShardPlan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
-    build = shards.local_config if shards is not None else config
     if quantization == "auto":
         quantization = auto_quantization(model_dir, device, shards is not None)
     gguf = recorded_gguf(model_dir)
     if quantization == "gguf" and gguf is None:
         gguf_source(model_dir)  # raises: not a model given as a GGUF file
-    with torch.device("meta"):
-        model = model_class(build)(build, max_positions)
     report = None
     if gguf is not None:
+        model = _meta_model(config, max_positions, shards)
         report = load_gguf(model, config, gguf, dtype, device, quantization == "gguf",
                            shards.shard if shards is not None else None,
                            load_cpu_ops(isa) if device.type == "cpu" else None)
-        if shards is not None:
-            assert tp is not None
-            parallelize(model, shards, tp)
-            model = model.to(dtype=dtype)  # what parallelize made (no block layers under TP)
+        _add_rotary(model, config, max_positions, dtype, device)
     else:
-        model = model.to_empty(device=device)
-        tensors: dict[str, torch.Tensor] = {}
-        for file in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    tensors[name] = f.get_tensor(name)
-        if shards is not None:
-            assert tp is not None
-            model.shard = shards.shard
-            model.load_hf_state_dict(tensors)
-            parallelize(model, shards, tp)
-        else:
-            model.load_hf_state_dict(tensors)
-        del tensors
-        model = model.to(dtype=dtype)
-    model.rotary = RotaryEmbedding(config, max_positions).to(device)
-    model.rotary.to(torch.float32)  # tables stay fp32; cast per step like transformers
-    if resolve_kernels("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS") == "triton":
+        model = create_model(config, max_positions, dtype, device, shards)
+        load_safetensors(model, model_dir, shards)
+    if shards is not None:
+        assert tp is not None
+        parallelize(model, shards, tp)
+    if resolve_kernels("fused_ops", fused_ops, device) == "triton":
         from octavo.model.kernels.triton.fused_ops import TritonFusedOps
 
         ops: Any = TritonFusedOps()
     else:
-        ops = select_cpu_ops("fused_ops", fused_ops, device, "OCTAVO_FUSED_OPS", isa)
+        ops = select_cpu_ops("fused_ops", fused_ops, device, isa)
     # quantized layers run through the compiled CPU ops where those run
     quant_ops = ops if hasattr(ops, "quantize_rows_int8") else None
     if quantization == "gguf":
@@ -91,5 +77,39 @@ def load_model(
     else:
         model.quant_report = None
     pack_linears(model, linear_backend)
-    model.use_cpu_ops(ops)
+    model.use_cpu_ops(ops, packed_gemv_rows)
     return model.eval()
+
+
+def create_model(config: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 device: torch.device, shards: ShardPlan | None = None) -> LlamaForCausalLM:
+    """The family's model (this rank's slice of it with `shards`), its parameters allocated on
+    `device` directly in `dtype` and left unset (load_safetensors sets every one): built on
+    the meta device, where the cast costs nothing."""
+    model = _meta_model(config, max_positions, shards).to(dtype=dtype).to_empty(device=device)
+    _add_rotary(model, config, max_positions, dtype, device)
+    return model
+
+
+def _meta_model(config: ModelConfig, max_positions: int,
+                shards: ShardPlan | None) -> LlamaForCausalLM:
+    build = shards.local_config if shards is not None else config
+    with torch.device("meta"):
+        return model_class(build)(build, max_positions)
+
+
+def _add_rotary(model: LlamaForCausalLM, config: ModelConfig, max_positions: int,
+                dtype: torch.dtype, device: torch.device) -> None:
+    # the tables hold the values transformers' per-step cast to the model dtype gives, in fp32
+    # (the compiled RoPE and the Triton kernels cast them themselves)
+    rotary = RotaryEmbedding(config, max_positions).to(dtype=dtype)
+    model.rotary = rotary.to(device=device, dtype=torch.float32)
+
+
+def load_safetensors(model: LlamaForCausalLM, model_dir: Path,
+                     shards: ShardPlan | None = None) -> None:
+    """Every parameter of `model` from the checkpoint in `model_dir`, one checkpoint tensor (or
+    this rank's slice of it, with `shards`) read at a time."""
+    model.shard = shards.shard if shards is not None else None
+    with SafetensorsCheckpoint(model_dir) as checkpoint:
+        model.load_hf_state_dict(checkpoint)

@@ -1,8 +1,10 @@
 """Block tables on top of a BlockPool: allocate slots, fork (copy-on-write), free, swap.
 
-KVCacheManager holds every sequence's state; three of its parts live in their own modules as
-mixins over that state: the prefix-cache lookup (prefix_lookup.py), swap (kv_swap.py), and
-stats and invariants (kv_audit.py).
+KVCacheManager holds every sequence's block tables and owns the parts it calls through their
+public methods: the prefix cache (prefix_cache.py), the swap space (swap_space.py), the
+groups' window geometry (group_windows.py) and, where there is one, the KV tier below the
+pool (tier/kv_tier.py); its stats and invariants are functions over its public state
+(kv_audit.py).
 
 The scheduler's side of the contract, on vLLM v1's lines: `get_computed_blocks(seq)` finds a
 new sequence's cached prefix (a pure query), then one `allocate_slots(seq, n, cached)` either
@@ -11,8 +13,10 @@ changes nothing. There is no separate "can I?" question to go stale before the "
 
 Slots are counted as computed when handed out (`seq.num_computed_tokens` moves here and only
 here), because the runner writes them in the same step. Copies are only recorded; the runner
-moves the KV tensors: swap-out copies first (their sources may be reused right after), then
-copy-on-write copies, then swap-in copies, all before the forward pass writes new KV. Blocks
+moves the KV tensors: the KV tier's saves first (blocks let go of since the last step, whose
+memory this step may reuse), then swap-out copies (their sources may be reused right after),
+swap-in copies, the tier's loads (into fresh blocks) and copy-on-write copies, all before the
+forward pass writes new KV. Blocks
 registered in the prefix cache during a step can be hit by a sequence scheduled later in the
 same step, so the runner must write all of a step's new KV before attention reads it (a
 flattened batch does this per layer).
@@ -20,27 +24,27 @@ flattened batch does this per layer).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
 
 from octavo.paging.allocator import CachedPrefix, NewBlocks
 from octavo.paging.block_pool import BlockPool, KVBlock, OutOfKVBlocks
-from octavo.paging.kv_audit import KVAudit
+from octavo.paging.group_windows import GroupWindows
+from octavo.paging.kv_audit import check_invariants, kv_stats
 from octavo.paging.kv_seq import KVSeq
-from octavo.paging.kv_swap import KVSwap
-from octavo.paging.prefix_lookup import PrefixLookup
+from octavo.paging.prefix_cache import PrefixCache
 from octavo.paging.seq_blocks import SeqBlocks, cdiv
+from octavo.paging.swap_space import SwapSpace
+from octavo.paging.tier.kv_tier import KVTier, TierBlock
 
 __all__ = ["KVCacheManager", "OutOfKVBlocks"]
 
 
-class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
+class KVCacheManager:
     """Paged KV cache: per-sequence block tables over shared, ref-counted physical blocks.
 
     With prefix caching on, every block that fills is registered under its sequence's block
-    hash (see block_hash.py); hits are verified against the stored token ids, extra key and
-    parent identity as well, so a digest collision can never return the wrong KV. The one
-    exception: where every group slides (Mistral), the first block of a window hit has no
-    parent left to check, and only its 128-bit digest vouches for the prefix before it.
+    hash (see block_hash.py and prefix_cache.py).
 
     `windows` names the KV cache groups (see KVGroups in octavo/config.py): one entry per
     group, its sliding window or None for full attention. A sliding group frees every block
@@ -58,50 +62,54 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
         windows: Sequence[int | None] = (None,),
+        tier: KVTier | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if not windows or any(w is not None and w < 1 for w in windows):
-            raise ValueError(f"windows must name >= 1 group, each window >= 1: {windows}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.windows = tuple(windows)
-        self.num_groups = len(self.windows)
-        # the first full-attention group: its chain keys vouch for the whole prefix, so the
-        # sliding groups of a hybrid model chain onto it (None: every group slides)
-        self._anchor = next((g for g, w in enumerate(self.windows) if w is None), None)
-        # register the anchor first: the sliding groups' parent keys are its keys
-        self._group_order = sorted(range(self.num_groups), key=lambda g: g != self._anchor)
-        self._has_window = any(w is not None for w in self.windows)
+        self.groups = GroupWindows(windows, block_size)
+        self.windows = self.groups.windows
+        self.num_groups = self.groups.num_groups
         # the block id that stands for a freed out-of-window block (see KVCache)
         self.null_block_id = num_blocks
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        self.prefix_cache = PrefixCache(self.block_pool, self.groups, enable_prefix_caching)
+        self.swap_space = SwapSpace(num_cpu_blocks, self.block_pool, self.prefix_cache,
+                                    self.groups)
         self._seqs: dict[int, SeqBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
-        self.prefix_cache_query_tokens = 0
-        self.prefix_cache_hit_tokens = 0
         self.blocks_freed_out_of_window = 0
-        self._no_hit = CachedPrefix(((),) * self.num_groups, 0)
+        self.tier = tier if enable_prefix_caching else None
+        if self.tier is not None:
+            self.prefix_cache.tier = self.tier
+            self.block_pool.tier_offer = self.tier.offer
+            self.block_pool.offer_on_evict = self.tier.write == "evict"
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.prefix_cache.enabled
+
+    @property
+    def cpu_pool(self) -> BlockPool:
+        return self.swap_space.pool
+
+    @property
+    def seqs(self) -> Mapping[int, SeqBlocks]:
+        """Every sequence holding blocks, read-only."""
+        return MappingProxyType(self._seqs)
 
     # -- windows --------------------------------------------------------------------------------
-    def _first_live(self, group: int, pos: int) -> int:
-        """The first block a query at `pos` or later can still see in `group`."""
-        window = self.windows[group]
-        if window is None:
-            return 0
-        return max(0, pos - window + 1) // self.block_size
-
     def _trim(self, state: SeqBlocks) -> int:
         """Free the sliding groups' blocks that no query to come can see."""
         freed = 0
         for g, window in enumerate(self.windows):
             if window is None:
                 continue
-            first, table = self._first_live(g, state.seq.num_computed_tokens), state.blocks[g]
+            first = self.groups.first_live(g, state.seq.num_computed_tokens)
+            table = state.blocks[g]
             gone = [blk for blk in table[state.trimmed[g] : first] if blk is not None]
             for i in range(state.trimmed[g], first):
                 table[i] = None
@@ -115,7 +123,7 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
     def free_out_of_window(self, seq_id: int) -> int:
         """Return the blocks of a running sequence that fell out of its sliding windows (the
         scheduler calls this after each step; allocation does it too). The number freed."""
-        if not self._has_window:
+        if not self.groups.has_window:
             return 0
         state = self._seqs.get(seq_id)
         if state is None or state.swapped:
@@ -123,45 +131,10 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
         return self._trim(state)
 
     # -- prefix cache ---------------------------------------------------------------------------
-    def _key(self, block_hash: bytes, group: int) -> bytes:
-        """Each group indexes its blocks under its own name for the same prefix."""
-        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
-
-    def _check_hashes(self, seq: KVSeq, end: int) -> None:
-        """Before anything changes: the prefix cache needs the hash of every block that will be
-        full, named by a hasher of this block size."""
-        if not self.enable_prefix_caching:
-            return
-        bs = self.block_size
-        if seq.hasher is not None and seq.hasher.block_size != bs:
-            raise ValueError(f"sequence {seq.seq_id} hashes blocks of {seq.hasher.block_size} "
-                             f"tokens, the KV cache has blocks of {bs}")
-        if len(seq.block_hashes) < end // bs:
-            raise ValueError(
-                f"sequence {seq.seq_id} has no hash for its full block {len(seq.block_hashes)}: "
-                f"give it a BlockHasher({bs}) when prefix caching is on"
-            )
-
-    def _register_full_blocks(self, state: SeqBlocks) -> None:
-        seq, bs = state.seq, self.block_size
-        for g in self._group_order:
-            keys, table = state.chain_keys[g], state.blocks[g]
-            for i in range(len(keys), seq.num_computed_tokens // bs):
-                parent_key = self._parent_key(state, g, i)
-                blk = table[i]
-                assert blk is not None, f"seq {seq.seq_id}: registering a freed block"
-                keys.append(self._record_full_block(
-                    blk, self._key(seq.block_hashes[i], g), self._block_tokens(seq, i),
-                    parent_key, seq))
-
-    def _record_full_block(
-        self, blk: KVBlock, block_hash: bytes, toks: tuple[int, ...], parent_key: int | None,
-        seq: KVSeq,
-    ) -> int | None:
-        if parent_key is None:  # the prefix is not findable, so this block could never be hit
-            blk.token_ids = toks
-            return None
-        return self.block_pool.cache_full_block(blk, block_hash, toks, parent_key, seq.extra_key)
+    def get_computed_blocks(self, seq: KVSeq) -> CachedPrefix:
+        """A new sequence's cached prefix (prefix_cache.py's lookup): a pure query, no
+        references taken, no stats counted."""
+        return self.prefix_cache.lookup(seq)
 
     # -- allocation -----------------------------------------------------------------------------
     def allocate_slots(
@@ -170,8 +143,6 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
         num_new_tokens: int,
         cached: CachedPrefix | None = None,
         *,
-        reserve_tokens: int | None = None,
-        final_tokens: int | None = None,
         num_lookahead_tokens: int = 0,
     ) -> NewBlocks | None:
         """Give the next `num_new_tokens` known tokens of `seq` their slots, or return None (and
@@ -187,8 +158,7 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
         counts from its end. Later calls first free the blocks that left a sliding window, then
         grow the tables, copying a shared partial last block first (copy-on-write). Returns
         each block table from its first entry that changed (entries freed out of a window are
-        not reported: nothing reads them again). `reserve_tokens` and `final_tokens` are
-        hints for the contiguous baseline; paging reserves nothing ahead.
+        not reported: nothing reads them again). Paging reserves nothing ahead.
         """
         state = self._seqs.get(seq.seq_id)
         if num_lookahead_tokens < 0:
@@ -222,11 +192,10 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
             raise ValueError(f"sequence {seq_id}: {num_accepted} accepted of "
                              f"{state.lookahead} lookahead slots")
         end = self._checked_end(seq, seq.num_computed_tokens, num_accepted)
-        self._check_hashes(seq, end)
+        self.prefix_cache.check_hashes(seq, end)
         state.lookahead = 0
         self._fill(state, end)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(state)
+        self.prefix_cache.register_full_blocks(state)
         keep = cdiv(end, self.block_size)
         for table in state.blocks:
             tail = table[keep:]
@@ -248,45 +217,91 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
                 "has no KV blocks"
             )
         pool, bs, groups = self.block_pool, self.block_size, range(self.num_groups)
-        if cached is not None and cached.num_tokens:
-            if len(cached.blocks) != self.num_groups:
-                raise ValueError(f"a cached prefix of {len(cached.blocks)} groups for a KV cache "
-                                 f"of {self.num_groups}")
-            hits = [list(blocks) for blocks in cached.blocks]
-        else:
-            hits = [[] for _ in groups]
-        num_cached = len(hits[0]) * bs
-        end = self._checked_end(seq, num_cached, num_new_tokens)
-        self._check_hashes(seq, end)
-        live = [blk for group in hits for blk in group if blk is not None]
-        # A hit on a cached-free block takes it off the free list; a hit on a used one is free.
-        fresh = cdiv(end, bs) - len(hits[0])
-        if sum(blk.ref_cnt == 0 for blk in live) + fresh * self.num_groups > pool.num_free_blocks:
-            return None
+        while True:  # once more each time a tier block fails to load (none without a tier)
+            if cached is not None and cached.num_tokens:
+                if len(cached.blocks) != self.num_groups:
+                    raise ValueError(f"a cached prefix of {len(cached.blocks)} groups for a KV "
+                                     f"cache of {self.num_groups}")
+                hits = [list(blocks) for blocks in cached.blocks]
+            else:
+                hits = [[] for _ in groups]
+            num_cached = len(hits[0]) * bs
+            end = self._checked_end(seq, num_cached, num_new_tokens)
+            self.prefix_cache.check_hashes(seq, end)
+            live = [blk for group in hits for blk in group if isinstance(blk, KVBlock)]
+            from_tier = [(g, i) for g in groups for i, blk in enumerate(hits[g])
+                         if isinstance(blk, TierBlock)]
+            # A hit on a cached-free block takes it off the free list; a hit on a used one is
+            # free; a tier hit takes a fresh block, as computing the block would.
+            fresh = cdiv(end, bs) - len(hits[0])
+            if (sum(blk.ref_cnt == 0 for blk in live) + fresh * self.num_groups
+                    + len(from_tier) > pool.num_free_blocks):
+                return None
+            payloads = self._read_tier(seq, hits, from_tier)
+            if payloads is not None:
+                break
+            cached = self.prefix_cache.lookup(seq)  # without the block that failed
         for blk in live:  # before any get_new_block(), so no hit can be evicted under us
             pool.touch(blk)
+        for g, i in from_tier:
+            hits[g][i] = pool.get_new_block()
         blocks = [hits[g] + [pool.get_new_block() for _ in range(fresh)] for g in groups]
         chain_keys = [[None if blk is None else blk.cache_key for blk in hits[g]] for g in groups]
         trimmed = [next((i for i, b in enumerate(hits[g]) if b is not None), len(hits[g]))
                    for g in groups]
         state = SeqBlocks(seq, blocks, chain_keys, trimmed=trimmed)
         self._seqs[seq.seq_id] = state
+        if from_tier:
+            self._register_loaded(state, from_tier, payloads)
         seq.num_computed_tokens = num_cached
         self._fill(state, end)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(state)
-            if cached is not None:
-                self.prefix_cache_query_tokens += len(seq.token_ids)
-                self.prefix_cache_hit_tokens += num_cached
+        self.prefix_cache.register_full_blocks(state)
+        if self.enable_prefix_caching and cached is not None:
+            self.prefix_cache.count_hit(seq, num_cached)
         return self._new_blocks(state, [0] * self.num_groups)
+
+    def _read_tier(self, seq: KVSeq, hits: list[list], from_tier: list[tuple[int, int]]
+                   ) -> list[memoryview] | None:
+        """The checked payloads of a prefix's tier blocks, in `from_tier`'s order, or None when
+        one failed to load (the tier forgets it, so the next lookup stops before it)."""
+        if not from_tier:
+            return []
+        assert self.tier is not None
+        return self.tier.read([hits[g][i].key for g, i in from_tier],
+                              [self.prefix_cache.block_tokens(seq, i) for _, i in from_tier])
+
+    def _register_loaded(self, state: SeqBlocks, from_tier: list[tuple[int, int]],
+                         payloads: list[memoryview]) -> None:
+        """Index the fresh blocks a tier hit fills (in group order: a sliding group's blocks
+        chain onto the anchor's) and queue their loads."""
+        assert self.tier is not None
+        cache, seq, bs = self.prefix_cache, state.seq, self.block_size
+        loaded = dict(zip(from_tier, payloads, strict=True))
+        for g in self.groups.order:
+            for i, blk in enumerate(state.blocks[g]):
+                payload = loaded.get((g, i))
+                if payload is None:
+                    continue
+                assert blk is not None
+                self.block_pool.set_filled(blk, bs)
+                parent = cache.parent_key(state, g, i)
+                if parent is None and self.groups.anchor is None:
+                    # every group slides and this block opens the window: as for a pool hit
+                    # there, its digest alone names the prefix before it
+                    parent = 0
+                state.chain_keys[g][i] = cache.record_full_block(
+                    blk, cache.key(seq.block_hashes[i], g), cache.block_tokens(seq, i),
+                    parent, seq)
+                self.tier.add_load(blk.block_id, payload)
+        self.tier.hit_tokens += len({i for _, i in from_tier}) * bs
 
     def _grow(self, state: SeqBlocks, num_new_tokens: int, lookahead: int = 0) -> NewBlocks | None:
         seq, pool, bs = state.seq, self.block_pool, self.block_size
         end = self._checked_end(seq, seq.num_computed_tokens, num_new_tokens)
-        self._check_hashes(seq, end)
+        self.prefix_cache.check_hashes(seq, end)
         if num_new_tokens == 0 and lookahead == 0:
             return self._new_blocks(state, [len(t) for t in state.blocks])
-        if self._has_window:
+        if self.groups.has_window:
             self._trim(state)  # dead blocks: freeing them is right whatever happens next
         copies = [self._needs_copy_on_write(state, g) for g in range(self.num_groups)]
         grow = max(0, cdiv(end + lookahead, bs) - len(state.blocks[0]))
@@ -309,8 +324,7 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
             starts.append(start)
         self._fill(state, end)
         state.lookahead = lookahead
-        if self.enable_prefix_caching:
-            self._register_full_blocks(state)
+        self.prefix_cache.register_full_blocks(state)
         return self._new_blocks(state, starts)
 
     def _checked_end(self, seq: KVSeq, start: int, num_new_tokens: int) -> int:
@@ -368,10 +382,23 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
         state = self._seqs.pop(seq_id, None)
         if state is None:
             return
+        if self.tier is not None and not state.swapped:
+            self._cancel_loads(state)
         pool = self.cpu_pool if state.swapped else self.block_pool
         for table in state.blocks:
             pool.free(blk for blk in reversed(table) if blk is not None)
         state.seq.num_computed_tokens = 0
+
+    def _cancel_loads(self, state: SeqBlocks) -> None:
+        """Blocks of a sequence freed before the step that was to load them from the tier ran:
+        no load, and nobody may hit them (a sequence that hit them too keeps them loaded)."""
+        assert self.tier is not None
+        for table in state.blocks:
+            for blk in table:
+                if blk is not None and blk.ref_cnt == 1 and self.tier.has_pending_load(
+                        blk.block_id):
+                    self.tier.cancel_load(blk.block_id)
+                    self.block_pool.uncache(blk)
 
     def uncache_from(self, seq_id: int, num_tokens: int) -> None:
         """Forget the prefix-cache entries of this sequence's blocks holding tokens at or after
@@ -392,14 +419,33 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    # -- the KV tier ----------------------------------------------------------------------------
+    def take_tier_io(self) -> tuple[list[int], list[tuple[int, memoryview]]]:
+        """This plan's tier traffic, handed over once: the block ids whose bytes the runner
+        copies out before anything else, and the (block id, payload) it writes in before the
+        forward pass (tier/kv_tier.py)."""
+        if self.tier is None:
+            return [], []
+        return self.tier.take_io()
 
-    def _parent_key(self, state: SeqBlocks, g: int, i: int) -> int | None:
-        """What block i of group g chains onto when it is registered: the block before it in
-        a full-attention group (and where every group slides), the anchor's block at the same
-        position in a sliding group of a hybrid model."""
-        if self.windows[g] is None or self._anchor is None:
-            return state.chain_keys[g][i - 1] if i else 0
-        return state.chain_keys[self._anchor][i]
+    def tier_io_done(self, saved: Sequence[bytes]) -> None:
+        """The step ran: the bytes the runner copied out, in the plan's order, go to the
+        tier's writer."""
+        if self.tier is not None:
+            self.tier.io_done(saved)
+
+    def tier_io_failed(self) -> None:
+        """The step raised: the blocks it was to load hold unknown bytes, so nobody may hit
+        them (the caller aborts the sequences holding them)."""
+        if self.tier is None:
+            return
+        for block_id in self.tier.io_failed():
+            self.block_pool.uncache(self.block_pool.blocks[block_id])
+
+    def has_tier_saves(self) -> bool:
+        """Blocks wait for a step to copy them out (an idle engine runs one for them)."""
+        return self.tier is not None and self.tier.has_pending_saves
+
 
     # -- queries --------------------------------------------------------------------------------
     def block_table(self, seq_id: int) -> list[int]:
@@ -437,6 +483,30 @@ class KVCacheManager(PrefixLookup, KVSwap, KVAudit):
     def usage(self) -> float:
         return self.block_pool.num_used_blocks / self.num_blocks
 
+    def stats(self) -> dict[str, int | float]:
+        return kv_stats(self)
+
+    def check_invariants(self) -> None:
+        check_invariants(self)
+
+    # -- swap -----------------------------------------------------------------------------------
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
+        """Move a group of sequences to host blocks and return the (device block, host block)
+        copies, or None (nothing moves) when the host pool is too small. A block shared inside
+        the group is copied once and stays shared; its device copy stays prefix-cached."""
+        states = self._group(seq_ids, swapped=False)
+        for state in states:
+            if state.lookahead:
+                raise ValueError(f"sequence {state.seq.seq_id} holds lookahead slots: accept "
+                                 "them first")
+        for state in states:
+            self.free_out_of_window(state.seq.seq_id)  # nothing to carry that nobody reads
+        return self.swap_space.swap_out(states)
+
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
+        """Bring a swapped group back and return the (host block, device block) copies, or
+        None (nothing moves) when the free device blocks do not suffice."""
+        return self.swap_space.swap_in(self._group(seq_ids, swapped=True))
 
     # -- helpers --------------------------------------------------------------------------------
     def _get(self, seq_id: int) -> SeqBlocks:

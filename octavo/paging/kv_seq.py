@@ -5,6 +5,8 @@ slots. Only the KV manager moves it (allocate_slots hands out slots for tokens c
 step being planned; free sets it back to 0), so it can never disagree with the block table.
 `block_hashes` names each full block of `token_ids` for the prefix cache; a BlockHasher keeps
 it up to date as tokens arrive, so nothing is hashed twice. The engine's Sequence extends this.
+`reserve_tokens` is the most tokens the sequence may come to hold: paging ignores it; the
+contiguous baseline (baseline/contiguous.py) reserves that much up front.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from octavo.paging.block_hash import BlockHasher
 
 class KVSeq:
     __slots__ = ("seq_id", "token_ids", "block_hashes", "extra_key", "num_computed_tokens",
-                 "hasher")
+                 "hasher", "reserve_tokens")
 
     def __init__(
         self,
@@ -27,8 +29,10 @@ class KVSeq:
         extra_key: Hashable | None = None,
         block_hashes: list[bytes] | None = None,
         num_computed_tokens: int = 0,
+        reserve_tokens: int | None = None,
     ) -> None:
         self.seq_id = seq_id
+        self.reserve_tokens = reserve_tokens
         self.token_ids = list(token_ids)
         self.hasher = hasher
         self.extra_key = extra_key
@@ -41,7 +45,8 @@ class KVSeq:
         manager's fork then shares the blocks with it)."""
         return KVSeq(seq_id, self.token_ids, hasher=self.hasher, extra_key=self.extra_key,
                      block_hashes=list(self.block_hashes),
-                     num_computed_tokens=self.num_computed_tokens)
+                     num_computed_tokens=self.num_computed_tokens,
+                     reserve_tokens=self.reserve_tokens)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

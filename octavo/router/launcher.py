@@ -21,8 +21,8 @@ from octavo.model.sources import resolve_model_dir
 from octavo.router.app import build_app
 from octavo.router.args import RouterConfig
 from octavo.router.prompts import PromptHasher, load_tokenizer
+from octavo.server.args import ServerConfig
 from octavo.server.connections import uvicorn_config
-from octavo.server.context import ServerConfig
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -24,20 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from octavo.paging.block_hash import BlockHasher
-from octavo.server.protocol import ChatCompletionRequest
-from octavo.server.protocol_anthropic import MessagesRequest
-from octavo.server.protocol_responses import ResponsesRequest
-from octavo.server.serving_chat import messages_to_dicts
-from octavo.server.serving_messages import to_chat_request as messages_to_chat
-from octavo.server.serving_responses import conversation_messages
-from octavo.server.serving_responses import to_chat_request as responses_to_chat
-from octavo.server.tools import (
+from octavo.server.anthropic.protocol import MessagesRequest
+from octavo.server.anthropic.serving import to_chat_request as messages_to_chat
+from octavo.server.chat.serving import messages_to_dicts
+from octavo.server.chat.tools import (
     check_tool_messages,
     plan_tools,
     template_messages,
     template_renders_tools,
     with_tool_prompt,
 )
+from octavo.server.protocol import ChatCompletionRequest
+from octavo.server.responses.protocol import ResponsesRequest
+from octavo.server.responses.serving import conversation_messages
+from octavo.server.responses.serving import to_chat_request as responses_to_chat
 
 logger = logging.getLogger(__name__)
 

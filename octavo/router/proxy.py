@@ -28,8 +28,8 @@ from starlette.types import Receive, Scope, Send
 from octavo.router.dispatch import Dispatcher
 from octavo.router.prompts import PromptKeys
 from octavo.router.replicas import Replica
+from octavo.server.anthropic.serving import error_payload as anthropic_error_payload
 from octavo.server.errors import error_body
-from octavo.server.serving_messages import error_payload as anthropic_error_payload
 
 logger = logging.getLogger(__name__)
 

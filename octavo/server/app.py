@@ -17,7 +17,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from octavo import __version__
 from octavo.engine.async_engine import AsyncLLMEngine
-from octavo.server.context import ServerConfig, ServerContext
+from octavo.server.anthropic.serving import messages_router
+from octavo.server.args import ServerConfig
+from octavo.server.chat.serving import create_chat_completion
+from octavo.server.completions.serving import create_completion
+from octavo.server.completions.tokens import detokenize, tokenize
+from octavo.server.context import ServerContext
 from octavo.server.dashboard import dashboard_router
 from octavo.server.errors import OpenAIError, install_error_handlers
 from octavo.server.middleware import (
@@ -39,11 +44,7 @@ from octavo.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from octavo.server.serving_chat import create_chat_completion
-from octavo.server.serving_completions import create_completion
-from octavo.server.serving_messages import messages_router
-from octavo.server.serving_responses import responses_router
-from octavo.server.serving_tokens import detokenize, tokenize
+from octavo.server.responses.serving import responses_router
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:

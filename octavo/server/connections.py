@@ -28,7 +28,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from octavo.server.context import ServerConfig
+from octavo.server.args import ServerConfig
 
 LOG_INTERVAL_S = 10.0
 # a connection this young is never closed to make room: its request may be on its way

@@ -14,85 +14,40 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from transformers import AutoTokenizer
 
 from octavo.engine.async_engine import AsyncLLMEngine
-from octavo.server.args import (
-    DEFAULT_HEADER_TIMEOUT,
-    DEFAULT_LIMIT_CONCURRENCY,
-    DEFAULT_MAX_PROMPTS_PER_REQUEST,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
-    DEFAULT_MAX_STORED_RESPONSES,
-    DEFAULT_MAX_WAITING_REQUESTS,
-    DEFAULT_SHUTDOWN_TIMEOUT,
-    DEFAULT_TIMEOUT_KEEP_ALIVE,
-)
+from octavo.server.args import ServerConfig
 from octavo.server.errors import OpenAIError, bad_request
 from octavo.server.metrics import ServerMetrics
-from octavo.server.protocol import MAX_LOGPROBS
 
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class ServerConfig:
-    """Settings of the HTTP layer (the engine's are in EngineArgs)."""
-
-    served_model_names: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    max_logprobs: int = MAX_LOGPROBS
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
-    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
-    protect_metrics: bool = False
-    # connections and shutdown (server/connections.py, launcher.py)
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT
-    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
-    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
-    # tools and reasoning (server/tools.py, server/chat_output.py)
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
-
-    def __post_init__(self) -> None:
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
-        for name in ("max_request_body_bytes", "max_prompts_per_request",
-                     "max_sequences_per_request", "limit_concurrency",
-                     "max_stored_responses"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("header_timeout", "timeout_keep_alive", "shutdown_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-
 class ServerContext:
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
-        llm = engine.engine
+        info = engine.model_info  # the server reads the engine through AsyncLLMEngine only
         self.engine = engine
         self.config = config
-        self.model_dir = str(llm.model_dir)
+        self.model_dir = str(info.model_dir)
         if not config.served_model_names:
-            config.served_model_names = [llm.model_dir.name]
+            config = config.replace(served_model_names=[info.model_dir.name])
+            self.config = config
         self.model_name = config.served_model_names[0]
-        self.max_model_len = llm.max_model_len
-        self.vocab_size = llm.model_config.vocab_size
-        self.max_num_seqs = llm.args.max_num_seqs
-        self.scheduling_policy = llm.args.scheduling_policy
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.max_num_seqs = info.max_num_seqs
+        self.scheduling_policy = info.scheduling_policy
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         self._worker_tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="octavo-tokenize")
         longest = max((len(s) for s in self._token_texts()), default=1)
         self.max_prompt_chars = self.max_model_len * max(longest, 1)
-        self.metrics = ServerMetrics(self.model_name, engine.stats)
+        self.metrics = ServerMetrics(self.model_name, engine.stats,
+                                     max_model_len=self.max_model_len,
+                                     cache_config=dict(info.cache_config))
         engine.observer = self.metrics
         self._token_strs: dict[int, str] = {}
 
@@ -128,10 +83,11 @@ class ServerContext:
     # ---- tokens (off the event loop) -----------------------------------------------------
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
-            raise bad_request(
-                f"the prompt has {num_chars} characters: more than max_model_len "
-                f"({self.max_model_len}) tokens of this vocabulary can hold (at most "
-                f"{self.max_prompt_chars} characters)", param,
+            raise bad_request(  # worded as vLLM's context-length error (serving_common.py)
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"the prompt has {num_chars} characters, more than {self.max_model_len} tokens "
+                f"of this vocabulary can hold (at most {self.max_prompt_chars} characters). "
+                "Please reduce the length of the messages.", param,
             )
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:

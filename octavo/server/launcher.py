@@ -16,16 +16,13 @@ so a supervisor restarts it; a failed model step only fails the requests of that
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
-import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Generator
-from pathlib import Path
 
 import uvicorn
 
@@ -33,8 +30,8 @@ from octavo.engine.async_engine import AsyncLLMEngine
 from octavo.engine.engine_thread import EngineThread
 from octavo.llm import LLM
 from octavo.server.app import build_app
+from octavo.server.args import ServerConfig, server_config  # noqa: F401 (re-exported)
 from octavo.server.connections import uvicorn_config
-from octavo.server.context import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -106,46 +103,6 @@ def serve_app(llm: LLM, config: ServerConfig, thread: EngineThread | None = None
     app = build_app(engine, config)
     return OctavoServer(uvicorn_config(app, config, **uvicorn_options), engine,
                         config.shutdown_timeout)
-
-
-def read_api_key(args: argparse.Namespace) -> str | None:
-    if args.api_key_file:
-        try:
-            lines = Path(args.api_key_file).read_text().splitlines()
-        except OSError as e:
-            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e}") from e
-        key = lines[0].strip() if lines else ""
-        if not key:
-            raise ValueError(f"--api-key-file: {args.api_key_file} holds no key")
-        return key
-    return args.api_key or os.environ.get("OCTAVO_API_KEY") or None
-
-
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The server's settings from its flags; call before loading the model (fail fast)."""
-    key = read_api_key(args)
-    if args.protect_metrics and not key:
-        raise ValueError("--protect-metrics needs an API key (--api-key or --api-key-file)")
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    return ServerConfig(
-        # empty: the model directory's name (filled in by ServerContext)
-        served_model_names=list(args.served_model_name or ([args.model] if args.model else [])),
-        api_key=key,
-        max_waiting_requests=args.max_waiting_requests,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_prompts_per_request=args.max_prompts_per_request,
-        max_sequences_per_request=args.max_sequences_per_request,
-        protect_metrics=args.protect_metrics,
-        header_timeout=args.header_timeout,
-        timeout_keep_alive=args.timeout_keep_alive,
-        limit_concurrency=args.limit_concurrency,
-        shutdown_timeout=args.shutdown_timeout,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        max_stored_responses=args.max_stored_responses,
-    )
 
 
 def run_server(llm: LLM, config: ServerConfig, host: str, port: int,

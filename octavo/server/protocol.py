@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from octavo.server.args import MAX_LOGPROBS  # vLLM's default max_logprobs
 from octavo.server.protocol_agent import (
     ChatTool,
     DeltaToolCall,
@@ -26,8 +27,6 @@ from octavo.server.protocol_agent import (
     ToolChoice,
 )
 from octavo.server.protocol_base import OpenAIBaseModel, RequestModel
-
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 # Bounds a schema can state; what depends on the model (token ids < vocab size, prompt plus
 # max_tokens within max_model_len) is checked by the handlers.
@@ -58,10 +57,15 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SamplingFields(RequestModel):
@@ -93,6 +97,11 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM: tokens of reasoning before the end-of-thinking marker is forced (--reasoning-budget)
+    thinking_token_budget: int | None = Field(None, ge=0)
+    # vLLM: requests with different salts never share prefix-cache blocks (it joins the hash
+    # of every block), so one tenant cannot time another's prompts
+    cache_salt: NonEmptyText | None = None
 
 
 # ---- /v1/completions -----------------------------------------------------------------------

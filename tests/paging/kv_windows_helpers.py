@@ -31,7 +31,7 @@ def ids(blocks: Sequence) -> list[int | None]:
 
 def snapshot(m: KVCacheManager, seqs: Iterable[KVSeq] = ()) -> tuple:
     seqs = tuple(seqs)
-    running = [s for s in seqs if not m._seqs[s.seq_id].swapped]
+    running = [s for s in seqs if not m.seqs[s.seq_id].swapped]
     return (
         m.stats(),
         {s.seq_id: m.block_tables(s.seq_id) for s in running},

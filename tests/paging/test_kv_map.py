@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from octavo.paging import BlockHasher, ContiguousAllocator, KVCacheManager, KVSeq
-from octavo.paging.contiguous_shadow import ContiguousShadow
-from octavo.paging.kv_map import PAGED_STATES, count_states, manager_maps, pool_map
+from octavo.paging.views.contiguous_shadow import ContiguousShadow
+from octavo.paging.views.kv_map import PAGED_STATES, count_states, manager_maps, pool_map
 
 BS = 4
 

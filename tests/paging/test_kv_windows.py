@@ -334,7 +334,7 @@ def test_swap_keeps_freed_entries_freed(windows, caching: bool) -> None:
     copies = m.swap_out([1, 2, 3])
     assert copies is not None
     assert m.stats()["kv_blocks_freed_out_of_window"] > 0
-    live = [m._seqs[i].blocks for i in (1, 2, 3)]
+    live = [m.seqs[i].blocks for i in (1, 2, 3)]
     distinct = {b.block_id for tables in live for t in tables for b in t if b is not None}
     assert len(copies) == len(distinct) == m.stats()["kv_cpu_blocks_used"]
     assert m.stats()["kv_blocks_used"] == 0 and m.stats()["kv_sliding_blocks_held_max"] == 0

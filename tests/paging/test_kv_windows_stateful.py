@@ -207,7 +207,7 @@ class WindowedKVMachine(RuleBasedStateMachine):
             self.copy(self.gpu_kv, gpu, self.cpu_kv, cpu)
         for seq_id in group:
             self.trimmed.add(seq_id)  # swap_out trims what nobody reads any more
-            state = m._seqs[seq_id]
+            state = m.seqs[seq_id]
             self.cpu_tables[seq_id] = [[None if b is None else b.block_id for b in t]
                                        for t in state.blocks]
             s = self.seqs[seq_id]

@@ -13,8 +13,9 @@ import sys, types
 pkg = types.ModuleType("octavo")
 pkg.__path__ = [{root!r}]
 sys.modules["octavo"] = pkg
-import octavo.paging, octavo.paging.kv_manager, octavo.paging.contiguous, octavo.paging.waste
-import octavo.paging.kv_map, octavo.paging.contiguous_shadow
+import octavo.paging, octavo.paging.kv_manager, octavo.paging.waste
+import octavo.paging.baseline.contiguous
+import octavo.paging.views.kv_map, octavo.paging.views.contiguous_shadow
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy"))
 assert not heavy, heavy
 """

@@ -22,7 +22,7 @@ from octavo.bench.server_proc import parse_metrics
 from octavo.engine.async_engine import AsyncLLMEngine
 from octavo.engine.engine_thread import EngineThread
 from octavo.llm import LLM
-from octavo.server.context import ServerConfig
+from octavo.server.args import ServerConfig
 from octavo.server.launcher import OctavoServer, serve_app
 
 API_KEY = "test-key-123"
@@ -61,8 +61,8 @@ class RunningServer:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (m["octavo:num_requests_running"] == 0
-                    and m["octavo:num_requests_waiting"] == 0
+            idle = (m["vllm:num_requests_running"] == 0
+                    and m["vllm:num_requests_waiting"] == 0
                     and m["octavo:kv_blocks_used"] == 0)
             if idle or time.monotonic() > deadline:
                 return m

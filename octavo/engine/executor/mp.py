@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import secrets
 import socket
@@ -30,6 +29,7 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
+import octavo.envs as envs
 from octavo.config import ModelConfig
 from octavo.engine.executor.base import RankedExecutor, WorkerDiedError, settle_errors
 from octavo.engine_args import EngineArgs
@@ -74,8 +74,8 @@ class MultiprocExecutor(RankedExecutor):
         authkey = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = self._listener.address
-        env = dict(os.environ, OCTAVO_WORKER_ADDRESS=f"{host}:{port}",
-                   OCTAVO_WORKER_AUTHKEY=authkey.hex())
+        env = envs.child_env({"OCTAVO_WORKER_ADDRESS": f"{host}:{port}",
+                              "OCTAVO_WORKER_AUTHKEY": authkey.hex()})
         self._procs = [
             subprocess.Popen([sys.executable, "-m", "octavo.engine.executor.mp_worker",
                               str(rank), str(self.size)], env=env)

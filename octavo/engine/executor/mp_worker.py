@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import sys
 import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
+import octavo.envs as envs
 from octavo.model.worker.tp_worker import Worker
 from octavo.step_plan import StepPlan
 
@@ -71,11 +71,10 @@ def serve(conn: Connection, worker: Worker) -> None:
 
 def main() -> int:
     rank, size = int(sys.argv[1]), int(sys.argv[2])
-    logging.basicConfig(level=os.environ.get("OCTAVO_LOG_LEVEL", "WARNING"),
+    logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    host, port = os.environ["OCTAVO_WORKER_ADDRESS"].rsplit(":", 1)
-    authkey = bytes.fromhex(os.environ["OCTAVO_WORKER_AUTHKEY"])
-    conn = Client((host, int(port)), authkey=authkey)
+    host, port, authkey = envs.worker_rendezvous()
+    conn = Client((host, port), authkey=authkey)
     conn.send(rank)
     worker = Worker(rank, size)
     try:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import octavo.envs as envs
 from octavo.config import ModelConfig
 from octavo.engine.executor.base import RankedExecutor, WorkerDiedError, settle_errors
 from octavo.engine_args import EngineArgs
@@ -40,6 +41,10 @@ PLACEMENT_TIMEOUT_S = 120
 
 class RayWorker(Worker):
     """A Worker that can say where it is (the actor's class)."""
+
+    def device_of_rank(self, device: str) -> str:
+        """Ray shows each actor only the GPU it was given: cuda:0 (model/worker/device.py)."""
+        return "cuda:0" if device.startswith("cuda") else device
 
     def where(self) -> tuple[str, int]:
         """This actor's node address, as the cluster reaches it, and its pid."""
@@ -70,8 +75,7 @@ class RayExecutor(RankedExecutor):
         self._accepted: dict[int, list[int]] = {}
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            address = os.environ.get("RAY_ADDRESS") or None
-            ray.init(address=address, include_dashboard=False, log_to_driver=True,
+            ray.init(address=envs.ray_address(), include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
         cuda = args.device.startswith("cuda")
         bundle = {"GPU": 1.0} if cuda else {"CPU": float(threads_per_rank(self.size))}

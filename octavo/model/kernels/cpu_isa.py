@@ -3,7 +3,7 @@
 The machines this project runs on change from one day to the next (AVX-512 with native bf16 on
 one, AVX2 only on the next), so nothing is decided by how the compiler was invoked: the compiled
 ops are built once per ISA (cpu_ops.py), and the best ISA this CPU has is picked here when an
-engine starts. `cpu_isa="avx2"` (or OCTAVO_CPU_ISA=avx2) forces a lower path, e.g. to test the
+engine starts. `cpu_isa="avx2"` forces a lower path, e.g. to test the
 AVX2 kernels on an AVX-512 machine; asking for one the CPU lacks is an error naming the flags.
 
 - `avx512`: AVX-512 F/BW/VL/DQ (+ AVX2, FMA, F16C), 16 fp32 lanes;
@@ -16,7 +16,6 @@ AVX2 kernels on an AVX-512 machine; asking for one the CPU lacks is an error nam
 
 from __future__ import annotations
 
-import os
 import platform
 from functools import cache
 
@@ -36,7 +35,6 @@ ISA_CFLAGS: dict[str, tuple[str, ...]] = {
     "portable": (),
 }
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-ENV_VAR = "OCTAVO_CPU_ISA"
 
 
 @cache
@@ -65,11 +63,9 @@ def supported_isas(flags: frozenset[str] | None = None) -> list[str]:
 
 
 def select_isa(requested: str | None = None, flags: frozenset[str] | None = None) -> str:
-    """The ISA for the CPU kernels: the best the CPU has for auto (OCTAVO_CPU_ISA overrides
-    auto), else the one asked for, which the CPU must have."""
+    """The ISA for the CPU kernels: the best the CPU has for auto, else the one asked for,
+    which the CPU must have."""
     requested = requested or "auto"
-    if requested == "auto":
-        requested = os.environ.get(ENV_VAR, "auto") or "auto"
     if requested not in ISA_CHOICES:
         raise ValueError(f"cpu_isa={requested!r} is not one of {ISA_CHOICES}")
     have = supported_isas(flags)

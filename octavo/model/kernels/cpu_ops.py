@@ -10,6 +10,8 @@
   oneDNN's GEMM), and `int8_linear`, the three in one call.
 - `block_linear`, `block_dequantize`: linear layers whose weights stay in 4-bit or 8-bit blocks
   (GGUF Q4_0/Q4_1/Q8_0, int4; block_quant.py).
+- `kquant_linear`, `kquant_dequantize`: the same for GGUF's K-quant super-blocks (Q4_K, Q5_K,
+  Q6_K) on integer dot products, the AVX-512 build taking AVX512-VNNI where the CPU has it.
 - `DecodeStack`: every decoder layer of an all-decode step in one C++ loop (decode_stack.py).
 
 They are built with torch's C++ extension tooling into ``$OCTAVO_CACHE/torch_extensions/<isa>``
@@ -25,7 +27,6 @@ so once.
 from __future__ import annotations
 
 import logging
-import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -39,18 +40,15 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
            "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp", "int8_gemv.cpp",
-           "packed_gemv.cpp")
+           "packed_gemv.cpp", "kquant_linear.cpp")
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 
-def resolve_kernels(setting: str, choice: str | None, device: torch.device,
-                    env_var: str) -> str:
+def resolve_kernels(setting: str, choice: str | None, device: torch.device) -> str:
     """Which kernels an engine setting (attention_backend, fused_ops) picks: "torch", "cpu"
-    (octavo's compiled CPU ops) or "triton" (model/triton_kernels). auto (`env_var`
-    overrides it): the compiled ops on CPU, Triton on CUDA where it is installed, else torch."""
+    (octavo's compiled CPU ops) or "triton" (model/kernels/triton). auto: the compiled ops on
+    CPU, Triton on CUDA where it is installed, else torch."""
     choice = choice or "auto"
-    if choice == "auto":
-        choice = os.environ.get(env_var, "auto")
     if choice not in CHOICES:
         raise ValueError(f"{setting}={choice!r} is not one of {CHOICES}")
     if choice == "auto" and device.type == "cpu":
@@ -59,9 +57,9 @@ def resolve_kernels(setting: str, choice: str | None, device: torch.device,
         raise ValueError(f"{setting}='cpu' runs on CPU only")
     if choice in ("cpu", "torch"):
         return choice
-    from octavo.model.kernels.triton import triton_missing  # without a GPU: the interpreter
+    from octavo.model.kernels.triton import triton_missing  # CPU tensors: the interpreter
 
-    problem = triton_missing()
+    problem = triton_missing(device.type)
     if choice == "auto":
         return "triton" if device.type == "cuda" and problem is None else "torch"
     if problem is not None:
@@ -70,13 +68,13 @@ def resolve_kernels(setting: str, choice: str | None, device: torch.device,
 
 
 def select_cpu_ops(setting: str, choice: str | None, device: torch.device,
-                   env_var: str, isa: str | None = None) -> Any | None:
+                   isa: str | None = None) -> Any | None:
     """The compiled ops for an engine setting that chooses between them and plain torch, or
     None for torch (or Triton: see resolve_kernels). auto: the compiled ops on CPU when they
     build; cpu: the compiled ops, or an error naming `setting`. `isa`: the cpu_isa setting
     (auto: the CPU's best)."""
-    explicit = (choice or "auto") != "auto" or os.environ.get(env_var, "auto") != "auto"
-    if resolve_kernels(setting, choice, device, env_var) != "cpu":
+    explicit = (choice or "auto") != "auto"
+    if resolve_kernels(setting, choice, device) != "cpu":
         return None
     ops = load_cpu_ops(select_isa(isa))
     if ops is None and explicit:
@@ -96,7 +94,6 @@ def load_cpu_ops(isa: str | None = None) -> Any | None:
         root = cache_dir() / "torch_extensions"
         build = root / isa
         build.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root))
         ops = load(
             name=f"octavo_cpu_ops_{isa}",
             sources=[str(_CSRC / s) for s in SOURCES],

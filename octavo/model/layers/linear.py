@@ -7,7 +7,7 @@ the model's shapes, and up to 1.6x in bf16 for small decode batches; see BENCHMA
 
 `pack_linears(model)` swaps every `nn.Linear` for a `PackedLinear` after the weights are loaded
 and cast. Each packed layer is checked against `F.linear` on a random batch first; any failure
-(no oneDNN, an unsupported dtype) keeps the plain layer. OCTAVO_LINEAR=torch turns it off.
+(no oneDNN, an unsupported dtype) keeps the plain layer. linear_backend=torch turns it off.
 
 Decode-sized batches (up to `ops.packed_gemv_max_rows(dtype, block)` rows: with AVX-512 32 in
 fp32 and 24 in bf16 (16 on AMX tiles), with AVX2 16 in fp32) skip oneDNN's per-call set-up:
@@ -15,15 +15,14 @@ octavo's `packed_gemv` (csrc/packed_gemv.cpp) reads the same packed buffer in pl
 is oneDNN's internal choice, so `gemv_layout` checks it for every shape and dtype by packing
 matrices that encode each weight's coordinates and comparing the buffer with the layouts
 packed_gemv reads (blocks of 64 outputs; of 32 for bf16 where oneDNN uses AMX); any other
-layout (another oneDNN version or CPU) keeps oneDNN for that layer. OCTAVO_PACKED_GEMV=0 turns
-it off (the benchmarks' A/B), OCTAVO_PACKED_GEMV=N gives it steps of at most N rows.
+layout (another oneDNN version or CPU) keeps oneDNN for that layer. packed_gemv_rows=0 turns
+it off (the benchmarks' A/B), packed_gemv_rows=N gives it steps of at most N rows.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from typing import Any
 
@@ -56,11 +55,13 @@ class PackedLinear(nn.Module):
         self.gemv_block = GEMV_BLOCKS[0]
         self.weight_ptr = 0
 
-    def use_gemv(self, ops: Any) -> bool:
-        """Let `ops.packed_gemv` compute batches of up to its max rows where it reads this
-        layer's packed layout (checked, see gemv_layout); returns whether it does."""
+    def use_gemv(self, ops: Any, limit: int | None = None) -> bool:
+        """Let `ops.packed_gemv` compute batches of up to its max rows (and `limit`, 0: never)
+        where it reads this layer's packed layout (checked, see gemv_layout); returns whether
+        it does."""
         self.ops, self.gemv_rows = None, 0
-        limit = gemv_row_limit()
+        if limit is not None and limit < 0:
+            raise ValueError(f"packed_gemv_rows must be >= 0, got {limit}")
         if (ops is None or not hasattr(ops, "packed_gemv") or limit == 0
                 or ops.packed_gemv_max_rows(self.dtype) < 1):
             return False
@@ -108,19 +109,6 @@ class PackedLinear(nn.Module):
                 if self.gemv_rows else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"onednn{gemv}")
-
-
-GEMV_ENV_VAR = "OCTAVO_PACKED_GEMV"  # 0: off; N: at most N rows; unset: the kernel's limit
-
-
-def gemv_row_limit() -> int | None:
-    """OCTAVO_PACKED_GEMV as a row limit (0: packed_gemv off; None: no limit of the user's)."""
-    value = os.environ.get(GEMV_ENV_VAR, "").strip()
-    if not value:
-        return None
-    if not value.isdigit():
-        raise ValueError(f"{GEMV_ENV_VAR} must be 0 (off) or a number of rows, got {value!r}")
-    return int(value)
 
 
 # outputs per block of the layouts packed_gemv reads: 64 (oneDNN's AVX2 and AVX-512 kernels),
@@ -227,12 +215,9 @@ def pack_linears(model: nn.Module, backend: str | None = None) -> int:
     """Replace the model's nn.Linear layers by PackedLinear where oneDNN serves them.
 
     backend: auto (pack on CPU when oneDNN works), torch (never), onednn (required: raise if it
-    cannot be used). The environment variable OCTAVO_LINEAR overrides auto. Returns how many
-    layers were packed.
+    cannot be used). Returns how many layers were packed.
     """
     backend = backend or "auto"
-    if backend == "auto":
-        backend = os.environ.get("OCTAVO_LINEAR", "auto")
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear backend {backend!r} is not one of {LINEAR_BACKENDS}")
     if backend == "torch":

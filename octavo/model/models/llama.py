@@ -20,14 +20,14 @@ from octavo.model.layers.attention.base import AttentionBackend, AttentionMetada
 from octavo.model.layers.decoder import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from octavo.model.layers.kv_cache import KVCache
 from octavo.model.layers.linear import PackedLinear
-from octavo.model.layers.weights import Checkpoint, Put, Take
+from octavo.model.layers.weights import Checkpoint, Put, Take, Value, cat, copy_into
 
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False  # Qwen3 sets it
     # tensor parallelism: cuts this rank's slice from each full checkpoint tensor as it loads
     # (tensor_parallel.ShardPlan.shard); None: the whole model
-    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    shard: Callable[[str, Value], Value] | None = None
     # what quantization=... did at load (quantization.QuantReport), None: full precision
     quant_report: Any = None
     # the C++ loop over the layers for all-decode steps (decode_stack.py), None: Python only
@@ -75,26 +75,28 @@ class LlamaForCausalLM(nn.Module):
         h = residual[logit_indices] + x[logit_indices] if residual is not None else x[logit_indices]
         return self.lm_head(self.norm(h)).float()
 
-    def use_cpu_ops(self, ops: Any) -> None:
+    def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
         """Route RMSNorm, RoPE and SiLU-and-mul through the compiled CPU ops (None: torch),
-        and decode-sized batches of oneDNN-packed linear layers through their packed_gemv."""
+        and decode-sized batches of oneDNN-packed linear layers through their packed_gemv
+        (of at most `packed_gemv_rows` rows, 0: never; None: the kernel's limit)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
             elif isinstance(module, PackedLinear):
-                module.use_gemv(ops)
+                module.use_gemv(ops, packed_gemv_rows)
 
     def load_hf_state_dict(self, tensors: Checkpoint, skip: Collection[str] = (),
                            sources: dict[str, list[str]] | None = None) -> None:
-        """Load an HF Llama checkpoint's tensors, fusing q/k/v and gate/up. `skip`: parameters
-        left alone (the loader puts other layers in their place); `sources`, when given, gets
-        each parameter's checkpoint names, in the order they were read (the GGUF loader traces
-        the loading this way, on the meta device)."""
+        """Load an HF Llama checkpoint's tensors (plain, or lazy ones read as they are put:
+        layers/weights.py), fusing q/k/v and gate/up. `skip`: parameters left alone (the
+        loader puts other layers in their place); `sources`, when given, gets each parameter's
+        checkpoint names, in the order they were read (the GGUF loader traces the loading this
+        way, on the meta device)."""
         own = dict(self.named_parameters())
         loaded: set[str] = set()
         taken: list[str] = []
 
-        def put(name: str, value: torch.Tensor) -> None:
+        def put(name: str, value: Value) -> None:
             if sources is not None:
                 sources[name] = list(dict.fromkeys(taken))
             taken.clear()
@@ -112,10 +114,10 @@ class LlamaForCausalLM(nn.Module):
                     f"expected {tuple(param.shape)}"
                 )
             with torch.no_grad():
-                param.copy_(value)
+                copy_into(param, value)
             loaded.add(name)
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Value:
             if name not in tensors:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             taken.append(name)
@@ -143,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         for kind in ("weight", "bias"):
             if kind == "weight" or self.config.attention_bias:
                 qkv = [take(f"{src}{p}_proj.{kind}") for p in ("q", "k", "v")]
-                put(f"{dst}qkv_proj.{kind}", torch.cat(qkv, dim=0))
+                put(f"{dst}qkv_proj.{kind}", cat(qkv))
             if kind == "weight" or self.config.o_proj_bias:
                 put(f"{dst}o_proj.{kind}", take(f"{src}o_proj.{kind}"))
 
@@ -153,5 +155,5 @@ class LlamaForCausalLM(nn.Module):
             if kind == "bias" and not self.config.mlp_bias:
                 continue
             gate_up = [take(f"{src}{p}_proj.{kind}") for p in ("gate", "up")]
-            put(f"{dst}gate_up_proj.{kind}", torch.cat(gate_up, dim=0))
+            put(f"{dst}gate_up_proj.{kind}", cat(gate_up))
             put(f"{dst}down_proj.{kind}", take(f"{src}down_proj.{kind}"))

@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import octavo.envs as envs
+
 FLAG_STRIDE = 8  # int64s per rank's flag: one 64-byte cache line each
 SPINS_BEFORE_YIELD = 2000
 
@@ -37,7 +39,7 @@ SPINS_BEFORE_YIELD = 2000
 def shm_usable() -> bool:
     """Shared-memory collectives: x86 (total store order) with /dev/shm, unless
     OCTAVO_TP_SHM=0."""
-    if os.environ.get("OCTAVO_TP_SHM", "1") == "0":
+    if not envs.tp_shared_memory():
         return False
     return platform.machine().lower() in ("x86_64", "amd64") and Path("/dev/shm").is_dir()
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from octavo.model.quant.block_quant import dequantize
+from octavo.model.quant.gguf_blocks import FORMATS, _planes
 from octavo.model.quant.gguf_file import GGUFFile
-from octavo.model.quant.gguf_weights import FORMATS, _planes
 
 # GGUF general.architecture -> the HF model_type octavo runs it as (transformers' own renames)
 ARCHITECTURES: dict[str, str] = {
@@ -178,10 +178,11 @@ def _dequantize(gf: GGUFFile, name: str, ops: Any) -> torch.Tensor:
     the same numbers as gguf-py's, which the tests check, and several times faster), the other
     types by gguf-py."""
     info = gf.tensors[name]
-    if info.type_name in FORMATS and len(info.shape) == 2:
-        planes = _planes(info.type_name, gf.raw(name), info.rows, info.cols)
-        if planes is not None:
-            fmt, q, scale, mins = planes
+    if info.type_name in FORMATS and not FORMATS[info.type_name][0].kquant \
+            and len(info.shape) == 2:
+        blocks = _planes(info.type_name, gf.raw(name), info.rows, info.cols)
+        if blocks is not None:
+            fmt, q, scale, mins = blocks
             if ops is not None:
                 return ops.block_dequantize(fmt.kind, q, scale, mins, fmt.group, 0, info.rows,
                                             None)

@@ -16,12 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import octavo.envs as envs
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.gc_heap import freeze_gc_heap
 from octavo.model.parallel.shm_comm import ShmComm, shm_usable
 from octavo.model.parallel.tensor_parallel import TPGroup
 from octavo.model.worker.cache_sizing import KVBlockCounts
+from octavo.model.worker.device import bind_device, rank_device
 from octavo.model.worker.runner import ModelRunner
 from octavo.step_plan import GrammarBitmask, RunnerOutput, StepPlan
 
@@ -35,10 +37,7 @@ ERROR_GRACE_S = 10  # how long the other ranks get to report after one rank fail
 
 def threads_per_rank(size: int) -> int:
     """Each rank's share of this machine's cores (OCTAVO_THREADS_PER_RANK, where set, wins)."""
-    env = os.environ.get("OCTAVO_THREADS_PER_RANK")
-    if env and env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, (os.cpu_count() or 1) // size)
+    return envs.threads_per_rank() or max(1, (os.cpu_count() or 1) // size)
 
 
 class ResolvedBitmask:
@@ -82,8 +81,9 @@ class Worker:
         threads = threads_per_rank(self.size)
         torch.set_num_threads(threads)
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
-        if backend == "nccl":
-            args = replace(args, device=f"cuda:{self.rank}")
+        # this rank's GPU is current before NCCL or the runner touches the device (device.py)
+        device = bind_device(self.device_of_rank(args.device))
+        args = replace(args, device=str(device))
         dist.init_process_group(backend, init_method=init_method, rank=self.rank,
                                 world_size=self.size,
                                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -92,6 +92,11 @@ class Worker:
         self.runner = ModelRunner(args, model_dir, config, tp)
         logger.info("tensor-parallel rank %d/%d ready (pid %d, %d threads, %s)", self.rank,
                     self.size, os.getpid(), threads, "shared memory" if shm else backend)
+
+    def device_of_rank(self, device: str) -> str:
+        """This rank's device, from the engine's: the ranks of an `mp` group share this
+        machine's GPUs, one each, counted from the engine's device (device.py)."""
+        return rank_device(device, self.rank)
 
     def _shared_memory(self, args: EngineArgs, config: ModelConfig) -> ShmComm | None:
         """Shared-memory collectives when every rank is on this machine (x86), else None.

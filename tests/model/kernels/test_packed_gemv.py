@@ -179,14 +179,11 @@ def test_use_gemv_takes_small_batches_and_leaves_larger_ones_to_onednn(monkeypat
         torch.testing.assert_close(packed(x), F.linear(x, *_weights(packed)), **TOL[torch.float32])
     assert calls == ([1, rows] if rows else [])
     assert ("packed_gemv up to" in repr(packed)) == bool(rows)
-    monkeypatch.setenv(linear.GEMV_ENV_VAR, "0")
-    assert not packed.use_gemv(ops) and packed.gemv_rows == 0
+    assert not packed.use_gemv(ops, 0) and packed.gemv_rows == 0  # packed_gemv_rows=0: off
     assert packed.gemv_args() == (0, 0, 0, 0, 64)
-    monkeypatch.setenv(linear.GEMV_ENV_VAR, "3")  # a row limit of the user's
-    assert packed.use_gemv(ops) == bool(rows) and packed.gemv_rows == min(rows, 3)
-    monkeypatch.setenv(linear.GEMV_ENV_VAR, "yes")
-    with pytest.raises(ValueError, match="OCTAVO_PACKED_GEMV must be 0 .off. or a number"):
-        packed.use_gemv(ops)
+    assert packed.use_gemv(ops, 3) == bool(rows) and packed.gemv_rows == min(rows, 3)
+    with pytest.raises(ValueError, match="packed_gemv_rows must be >= 0"):
+        packed.use_gemv(ops, -1)
 
 
 def _weights(packed: PackedLinear) -> tuple[torch.Tensor, torch.Tensor | None]:

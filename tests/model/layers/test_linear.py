@@ -49,11 +49,9 @@ def test_packed_matches_f_linear_bf16():
     torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
 
 
-def test_torch_backend_and_env_leave_layers_alone(monkeypatch):
+def test_torch_backend_leaves_layers_alone(monkeypatch):
     model = TwoLayers(False)
     assert pack_linears(model, "torch") == 0
-    monkeypatch.setenv("OCTAVO_LINEAR", "torch")
-    assert pack_linears(model) == 0
     assert type(model.up) is nn.Linear
 
 

@@ -1,8 +1,9 @@
-"""quantization="gguf" (model/quant/gguf_weights.py, model/gguf_loader.py): a GGUF file's Q4_0 /
-Q4_1 / Q8_0 weights kept in their blocks, the model filled straight from the file. The key
-check: every block layer widens to exactly the fp32 weight transformers reads from the same
-file (rows unpermuted, q/k/v and gate/up concatenated), on the embedded default model (Q4_1,
-its LM head tied to a Q8_0 embedding) and on a tiny GGUF written here with Q4_0, Q4_1 and Q8_0
+"""quantization="gguf" (model/quant/gguf_weights.py, gguf_blocks.py, model/gguf_loader.py): a
+GGUF file's Q4_0 / Q4_1 / Q8_0 weights kept in their blocks (the K-quants: test_kquant.py), the
+model filled straight from the file. The key check: every block layer widens to exactly the
+fp32 weight transformers reads from the same file (rows unpermuted, q/k/v and gate/up
+concatenated), on the embedded default model (Q4_1, its LM head tied to a Q8_0 embedding, the
+lookup reading the same blocks) and on a tiny GGUF written here with Q4_0, Q4_1 and Q8_0
 tensors, and the tensors kept in blocks are never widened at load; then the engine on both,
 the errors, and the block parsing against GGUF's formulas on hand-made bytes."""
 
@@ -13,7 +14,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
@@ -21,10 +21,12 @@ from octavo.model import sources
 from octavo.model.hf_reference import hf_reference_dir
 from octavo.model.kernels.cpu_ops import load_cpu_ops
 from octavo.model.quant import gguf_tensors
+from octavo.model.quant.block_concat import BlockConcat
 from octavo.model.quant.block_quant import INT4, INT8, BlockQuantLinear, dequantize
+from octavo.model.quant.gguf_blocks import FORMATS, _planes
 from octavo.model.quant.gguf_file import GGUFFile
 from octavo.model.quant.gguf_tensors import check_architecture, unpermute_rows
-from octavo.model.quant.gguf_weights import FORMATS, _planes
+from octavo.model.quant.gguf_weights import BlockEmbedding
 from octavo.model.quant.quantization import weight_bytes
 from octavo.model.sources import find_embedded_gguf, gguf_source
 from octavo.model.worker.runner import load_model
@@ -36,6 +38,8 @@ def hf_weight(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """The fp32 weight of one octavo linear layer from transformers' tensors."""
     if name == "lm_head":
         return state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    if name == "embed_tokens.table":  # the lookup's blocks (a tied head's, named here first)
+        return state["model.embed_tokens.weight"]
     prefix = "model." + name.rsplit(".", 1)[0] + "."
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     sources = parts.get(name.rsplit(".", 1)[1], (name.rsplit(".", 1)[1],))
@@ -86,8 +90,10 @@ def test_default_model_layers_become_gguf_blocks(default_blocks):
     head = model.lm_head
     assert type(head) is BlockQuantLinear and head.fmt.name == "q8_0"
     assert (head.fmt.kind, head.fmt.group) == (INT8, 32) and head.mins is None
-    assert type(model.embed_tokens) is nn.Embedding  # the lookup keeps its fp32 copy
-    assert report.method == "gguf" and report.layers == 4 * config.num_layers + 1
+    # the lookup widens its rows of the tied head's blocks: no fp32 copy of the embedding
+    assert type(model.embed_tokens) is BlockEmbedding and model.embed_tokens.table is head
+    # the projections, the head and the embedding's lookup (of the head's blocks)
+    assert report.method == "gguf" and report.layers == 4 * config.num_layers + 2
     blocks = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
     assert report.bytes_after == sum(m.nbytes() for m in blocks)
     # Q4_1: 20 bytes a block of 32 weights, Q8_0: 34
@@ -95,13 +101,13 @@ def test_default_model_layers_become_gguf_blocks(default_blocks):
     head_weights = head.in_features * head.out_features
     assert report.bytes_after == (weights - head_weights) // 32 * 20 + head_weights // 32 * 34
     assert report.bytes_before == weights * 4
-    # in memory: the blocks, the fp32 embedding and the norms (and the RoPE tables), no more
+    # in memory: the blocks and the norms (and the RoPE tables), no more
     dense = sum(p.numel() * 4 for p in model.parameters())
     rope = sum(b.numel() * 4 for b in model.rotary.buffers())
     assert weight_bytes(model) == dense + report.bytes_after + rope
-    assert dense == (config.vocab_size + (2 * config.num_layers + 1)) * config.hidden_size * 4
-    # the loader widened only the embedding and the norms: no projection's tensor
-    assert sorted(widened) == sorted(["token_embd.weight", "output_norm.weight"] + [
+    assert dense == (2 * config.num_layers + 1) * config.hidden_size * 4
+    # the loader widened only the norms: no projection's or the embedding's tensor
+    assert sorted(widened) == sorted(["output_norm.weight"] + [
         f"blk.{i}.{n}.weight" for i in range(config.num_layers)
         for n in ("attn_norm", "ffn_norm")])
 
@@ -121,7 +127,8 @@ def test_default_model_blocks_widen_to_transformers_weights_exactly(default_bloc
             assert torch.equal(got, want), (name, (got - want).abs().max())
             checked += 1
     assert checked == 4 * config.num_layers + 1
-    assert torch.equal(model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    ids = torch.tensor([0, 5, config.vocab_size - 1, 5])
+    assert torch.equal(model.embed_tokens(ids), state["model.embed_tokens.weight"][ids])
 
 
 def test_default_model_gguf_layers_compute_like_the_fp32_ones(default_blocks):
@@ -219,7 +226,7 @@ def _tmp_gguf_cache(tmp_path_factory, monkeypatch):
 
 def qtype_for(name: str):
     """Each tiny tensor's GGUF type; blk.1's v is Q8_0 next to Q4_0 q and k, so that layer's
-    fused qkv has no single format and keeps the loader's fp32 weight."""
+    fused qkv has no single format (a BlockConcat of its parts)."""
     from gguf import GGMLQuantizationType as T
 
     if name == "blk.1.attn_v.weight":
@@ -254,7 +261,7 @@ def quant_gguf(tiny_llama_dir, tmp_path_factory):
 
 def test_tiny_gguf_blocks_widen_to_transformers_weights_exactly(quant_gguf):
     """Q4_0 (q, k with 4 and 2 heads: the unpermutation), Q4_1 and Q8_0, an untied LM head,
-    and a fused layer whose parts differ in format (left dense, dequantized at load)."""
+    and a fused layer whose parts differ in format (each part in its own blocks)."""
     model_dir = sources.resolve_model_dir(str(quant_gguf))
     assert gguf_source(model_dir) == quant_gguf.resolve()
     with GGUFFile(quant_gguf) as gf:
@@ -265,7 +272,7 @@ def test_tiny_gguf_blocks_widen_to_transformers_weights_exactly(quant_gguf):
     assert not config.tie_word_embeddings
     formats = {}
     for name, module in model.named_modules():
-        if isinstance(module, BlockQuantLinear):
+        if isinstance(module, BlockQuantLinear) and ".parts." not in name:  # not BlockConcat's
             want = hf_weight(state, name.removeprefix("model."))
             assert torch.equal(module.dequantized_weight(), want), name
             formats[name] = module.fmt.name
@@ -274,11 +281,13 @@ def test_tiny_gguf_blocks_widen_to_transformers_weights_exactly(quant_gguf):
         "layers.0.self_attn.qkv_proj": "q4_0", "layers.0.self_attn.o_proj": "q4_1",
         "layers.0.mlp.gate_up_proj": "q4_1", "layers.0.mlp.down_proj": "q8_0",
         "layers.1.self_attn.o_proj": "q4_1", "layers.1.mlp.gate_up_proj": "q4_1",
-        "layers.1.mlp.down_proj": "q8_0", "lm_head": "q8_0"}
-    mixed = model.layers[1].self_attn.qkv_proj
-    assert type(mixed) is nn.Linear
-    assert torch.equal(mixed.weight, hf_weight(state, "layers.1.self_attn.qkv_proj"))
-    assert model.quant_report.layers == len(formats)
+        "layers.1.mlp.down_proj": "q8_0", "lm_head": "q8_0", "embed_tokens.table": "q8_0"}
+    mixed = model.layers[1].self_attn.qkv_proj  # Q4_0 q and k, Q8_0 v: each in its blocks
+    assert type(mixed) is BlockConcat
+    assert [p.fmt.name for p in mixed.parts] == ["q4_0", "q4_0", "q8_0"]
+    assert torch.equal(mixed.dequantized_weight(),
+                       hf_weight(state, "layers.1.self_attn.qkv_proj"))
+    assert model.quant_report.layers == len(formats) + 1  # and the mixed qkv
 
 
 def test_engine_gguf_on_a_tiny_gguf(quant_gguf):

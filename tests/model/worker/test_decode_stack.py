@@ -1,6 +1,6 @@
 """The C++ decode loop (octavo/model/worker/decode_stack.py, csrc/decode_stack.cpp): where it
 applies, an all-decode step runs every layer in C++ with the same kernels in the same order as the
-Python layers, so tokens and logprobs are identical to OCTAVO_DECODE_STACK=0; where it does
+Python layers, so tokens and logprobs are identical to decode_stack=False; where it does
 not apply, the Python path runs. (Every other CPU test that decodes goes through it too: the
 exactness tests against HF included.)"""
 
@@ -10,7 +10,6 @@ import pytest
 
 from octavo import LLM, SamplingParams
 from octavo.model.kernels.cpu_ops import load_cpu_ops
-from octavo.model.worker.decode_stack import ENV_VAR
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no compiled CPU ops")
 
@@ -23,9 +22,8 @@ TINY_PROMPTS = [{"prompt_token_ids": [5, 9, 77, 120]}, {"prompt_token_ids": [200
 def run(monkeypatch, stack: bool, model=None, prompts=PROMPTS, **kwargs):
     """(token ids, logprob values) per prompt, batched (decode steps of 3 rows, then fewer),
     and whether the engine built the C++ loop."""
-    monkeypatch.setenv(ENV_VAR, "1" if stack else "0")
     llm = LLM(model, num_kv_blocks=64, max_model_len=256, enable_prefix_caching=False,
-              **kwargs)
+              decode_stack=stack, **kwargs)
     built = llm.engine.executor.runner.model.decode_stack is not None
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert llm.stats()["kv_blocks_used"] == 0

@@ -140,4 +140,4 @@ def test_kernel_switches(tiny_llama_dir):
     assert plain.model.norm.ops is None and plain.backend.name == "torch"
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
     with pytest.raises(ValueError, match="fused_ops='fast' is not one of"):
-        select_cpu_ops("fused_ops", "fast", torch.device("cpu"), "OCTAVO_FUSED_OPS")
+        select_cpu_ops("fused_ops", "fast", torch.device("cpu"))

@@ -7,7 +7,7 @@
 // scores, the same prefetches keep a steady stream: 31 GB/s there, and bf16 2.4x faster
 // (BENCHMARKS.md section 8). They fill L2, not L1 (prefetcht1): on an Intel Xeon with AMX
 // that read a step's fp32 K/V 1.06-1.08x faster than into L1 (prefetcht0), bf16
-// 1.02-1.05x, at 1 and 2 threads, while the NTA hint halved the speed (stop 36).
+// 1.02-1.05x, at 1 and 2 threads, while the NTA hint halved the speed.
 #pragma once
 
 #include <cstdint>

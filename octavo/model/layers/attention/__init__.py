@@ -15,14 +15,12 @@ def get_backend(name: str | None, device: torch.device,
     """`auto` picks the compiled CPU kernel on CPU when it builds, the Triton kernels on CUDA
     when Triton is installed, else plain torch; `isa` chooses the CPU build (cpu_isa.py; auto:
     the CPU's best). `triton` on CPU runs the Triton kernels in Triton's interpreter (tests).
-
-    The environment variable OCTAVO_ATTENTION_BACKEND overrides `auto`.
     """
-    if resolve_kernels("attention_backend", name, device, "OCTAVO_ATTENTION_BACKEND") == "triton":
+    if resolve_kernels("attention_backend", name, device) == "triton":
         from octavo.model.layers.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    ops = select_cpu_ops("attention_backend", name, device, "OCTAVO_ATTENTION_BACKEND", isa)
+    ops = select_cpu_ops("attention_backend", name, device, isa)
     if ops is None:
         return TorchAttentionBackend()
     return CpuPagedAttentionBackend(ops)

@@ -1,0 +1,1 @@
+"""POST /v1/completions, and the /tokenize and /detokenize endpoints."""
