@@ -162,8 +162,8 @@ class EngineArgs:
         "weights with per-channel scales, activations quantized per token, int8 GEMMs through "
         "oneDNN), int4 (weight-only at load: 4-bit groups of --quantization-group-size with a "
         "float16 scale and min, widened in registers; the LM head in 8-bit blocks), gguf (a "
-        "GGUF model's Q4_0/Q4_1/Q8_0 weights kept in their blocks and computed directly, the "
-        "other types dequantized at load)",
+        "GGUF model's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights kept in their blocks and computed "
+        "directly, the other types dequantized at load)",
         choices=("auto", "none", "int8", "int4", "gguf"))
     quantization_group_size: int = _opt(
         32, "int4: weights per scale and min (32, as llama.cpp's Q4 formats; 64 or 128)",
