@@ -20,7 +20,7 @@ import weakref
 
 from octavo.config import ModelConfig
 from octavo.engine.executor import Executor, make_executor
-from octavo.engine.input_processor import InputProcessor, load_tokenizer
+from octavo.engine.input_processor import InputProcessor, Prepared, load_tokenizer
 from octavo.engine.kv_map import KVMapper
 from octavo.engine.kv_sizing import check_max_model_len, make_kv_manager, resolve_max_model_len
 from octavo.engine.output_processor import OutputProcessor
@@ -91,12 +91,14 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         beam_params: BeamSearchParams | None = None,
+        prepared: Prepared | None = None,
     ) -> Request:
+        """`prepared`: the request's costly fields, made ready off this thread (a server's)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self.input_processor.process(
             request_id, prompt, params, priority=priority, arrival_time=arrival_time,
-            beam_params=beam_params,
+            beam_params=beam_params, prepared=prepared,
         )
         self.requests[request_id] = request
         self.output_processor.add_request(request)
