@@ -105,17 +105,18 @@ class BodyLimitMiddleware:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_timeout
         evicted: asyncio.Future[None] = loop.create_future()
-        key = id(evicted)
-        self.pending[key] = evicted
-        if len(self.pending) > self.max_pending:
-            _, oldest = self.pending.popitem(last=False)
-            if not oldest.done():
-                oldest.set_result(None)
+        pending = False
         chunks: list[bytes] = []
         size = 0
         try:
             while True:
-                message = await self._next(receive, evicted, deadline - loop.time())
+                get = asyncio.ensure_future(receive())
+                if not pending:
+                    await asyncio.sleep(0)  # what came with the head is there at once
+                    if not get.done():  # the rest is still on its way: it waits, counted
+                        pending = True
+                        self._add_pending(evicted)
+                message = await self._next(get, evicted, deadline - loop.time())
                 if message is None:
                     if evicted.done():
                         self.num_evicted += 1
@@ -138,18 +139,26 @@ class BodyLimitMiddleware:
                 if not message.get("more_body", False):
                     return b"".join(chunks)
         finally:
-            self.pending.pop(key, None)
+            self.pending.pop(id(evicted), None)
+
+    def _add_pending(self, evicted: asyncio.Future[None]) -> None:
+        """Count a request as waiting for its body; past the cap the longest waiting one is
+        told to give up."""
+        self.pending[id(evicted)] = evicted
+        if len(self.pending) > self.max_pending:
+            _, oldest = self.pending.popitem(last=False)
+            if not oldest.done():
+                oldest.set_result(None)
 
     @staticmethod
-    async def _next(receive: Receive, evicted: asyncio.Future[None],
+    async def _next(get: asyncio.Future[Message], evicted: asyncio.Future[None],
                     timeout: float) -> Message | None:
-        """The next message, or None when the time is up or the request was evicted."""
-        if timeout <= 0 or evicted.done():
-            return None
-        get = asyncio.ensure_future(receive())
-        done, _ = await asyncio.wait({get, evicted}, timeout=timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if get in done:
-            return get.result()
-        get.cancel()
-        return None
+        """`get`'s message, or None when the time is up or the request was evicted first."""
+        if not get.done():
+            if timeout > 0 and not evicted.done():
+                await asyncio.wait({get, evicted}, timeout=timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                return None
+        return get.result()
