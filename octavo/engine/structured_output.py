@@ -49,13 +49,13 @@ MAX_ERROR_CHARS = 400
 
 
 def error_text(message: str) -> str:
-    """llguidance's message as a client may see it: its first line, short, never the Rust
+    """llguidance's message as a client may see it: on one line, short, never the Rust
     backtrace a panic's text carries."""
-    first = message.strip().split("\n", 1)[0]
     for marker in ("<backtrace>", "stack backtrace:"):
-        first = first.split(marker, 1)[0]
-    first = first.strip() or "the grammar compiler failed"
-    return first if len(first) <= MAX_ERROR_CHARS else first[:MAX_ERROR_CHARS] + "..."
+        message = message.split(marker, 1)[0]
+    text = " / ".join(line.strip() for line in message.splitlines() if line.strip())
+    text = text or "the grammar compiler failed"
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 
 def json_schema_of(spec: StructuredOutputsParams) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def rust_panics_as_errors() -> Iterator[None]:
         yield
     except GrammarError as e:
         raise GrammarError(error_text(str(e))) from None
-    except ValueError as e:
+    except ValueError as e:  # llguidance's own (a regex or grammar it cannot parse)
         raise GrammarError(f"structured outputs: {error_text(str(e))}") from None
     except BaseException as e:
         if type(e).__name__ != "PanicException":

@@ -25,7 +25,7 @@ from octavo.sampling_params import SamplingParams
 from octavo.server.args import ServerConfig
 from octavo.server.errors import OpenAIError, bad_request
 from octavo.server.metrics import ServerMetrics
-from octavo.server.request_budget import prepare_fields
+from octavo.server.request_budget import check_fields, prepare_fields
 from octavo.server.tokenizing import BoundedTokenizer
 
 T = TypeVar("T")
@@ -99,6 +99,9 @@ class ServerContext:
         past the request's budget or for a constraint that does not compile; such errors name
         `constraint_param`)."""
         structured = self.engine.engine.structured
+        if not params.bad_words and params.structured_outputs is None:  # nothing costly
+            check_fields(params, structured.vocab_size, constraint_param)
+            return Prepared()
         return await self._off_loop(prepare_fields, params, self._worker_tokenizer, structured,
                                     constraint_param)
 

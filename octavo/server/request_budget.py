@@ -58,12 +58,13 @@ def check_count_of_tools(tools: list[Any] | None) -> None:
 
 def constraint_chars(spec: StructuredOutputsParams) -> int:
     """The size of a constraint as text (what llguidance compiles)."""
+    chars = len(spec.whitespace_pattern or "")
     if spec.choice is not None:
-        return sum(len(c) for c in spec.choice)
+        return chars + sum(len(c) for c in spec.choice)
     if spec.json is not None:
-        return len(spec.json) if isinstance(spec.json, str) else len(
-            json.dumps(spec.json, ensure_ascii=False))
-    return len(spec.regex or spec.grammar or "") + len(spec.whitespace_pattern or "")
+        return chars + (len(spec.json) if isinstance(spec.json, str) else len(
+            json.dumps(spec.json, ensure_ascii=False)))
+    return chars + len(spec.regex or spec.grammar or "")
 
 
 def check_fields(params: SamplingParams, vocab_size: int,

@@ -7,6 +7,8 @@ rather than a silent cut or an endless wait."""
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -94,6 +96,21 @@ def test_reserved_kwargs_and_request_templates_are_refused_by_the_router(
                                                            "application/json"},
                    content=f'{{"prompt": {deep}}}'.encode())
     assert r.status_code == 400 and "nested" in r.text
+
+
+def test_aborted_uploads_leave_no_traceback_in_the_log(keyed: RunningRouter, caplog):
+    host, port = keyed.url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            f"{API_KEY}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            '{"prompt": "').encode()
+    with caplog.at_level(logging.INFO):
+        for _ in range(50):
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                sock.sendall(head)  # and leave, the body unfinished
+        assert httpx.get(f"{keyed.url}/health").status_code == 200
+        time.sleep(0.2)
+    assert not [r.getMessage() for r in caplog.records if r.exc_info]
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) <= 1
 
 
 # ---- a replica that dies or hangs mid-stream ---------------------------------------------------

@@ -132,6 +132,8 @@ def test_llguidance_errors_lose_their_backtraces():
     panic = ("called `Result::unwrap()` on an `Err` value: too many states\n<backtrace>\n"
              "   0: llguidance::api\n             at src/lib.rs:12\n</backtrace>")
     assert error_text(panic) == "called `Result::unwrap()` on an `Err` value: too many states"
+    assert error_text("regex parse error:\n    ([\n     ^\nerror: unclosed class") == (
+        "regex parse error: / ([ / ^ / error: unclosed class")
     assert error_text("x" * 2000).endswith("...") and len(error_text("x" * 2000)) < 410
     assert error_text("\n") == "the grammar compiler failed"
 

@@ -152,3 +152,15 @@ def test_no_delay_sets_the_option_on_an_accepted_socket():
     finally:
         for s in (accepted, client, listener):
             s.close()
+
+
+def test_a_host_header_naming_another_site_is_refused_on_loopback(tiny_server):
+    """DNS rebinding: a page on evil.example whose name now points at 127.0.0.1 reaches the
+    port, but its requests carry its own name as Host."""
+    for host, status in (("evil.example", 400), ("evil.example:8000", 400),
+                         ("localhost:1234", 200), ("127.0.0.1", 200), ("[::1]:80", 200)):
+        for path in ("/health", "/v1/models"):
+            r = httpx.get(f"{tiny_server.url}{path}", headers={"Host": host})
+            assert r.status_code == status, (host, path, r.text)
+    r = httpx.get(f"{tiny_server.url}/v1/models", headers={"Host": "evil.example"})
+    assert "--allowed-hosts" in r.json()["error"]["message"]
