@@ -32,18 +32,33 @@ import queue
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from octavo.engine.engine import LLMEngine, StepFailed
 from octavo.engine.engine_thread import EngineThread
 from octavo.engine.executor import WorkerDiedError
 from octavo.engine.input_processor import Prepared
+from octavo.engine.structured_output import StructuredOutputs
 from octavo.outputs import RequestOutput, RequestProgress
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a front end needs to know of the model an engine serves."""
+
+    model_dir: Path
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    scheduling_policy: str
+    # the KV cache's settings under vLLM's CacheConfig names (`vllm:cache_config_info`)
+    cache_config: tuple[tuple[str, object], ...] = ()
 
 
 class RequestAbortedError(RuntimeError):
@@ -68,6 +83,9 @@ class OutputObserver(Protocol):
     thread-safe and quick); `prev_token_time`: its last_token_time at its previous step."""
 
     def on_progress(self, progress: RequestProgress, prev_token_time: float | None) -> None: ...
+
+    def on_step(self, num_tokens: int) -> None:
+        """After each step that ran, with the tokens it computed."""
 
 
 class RequestStream:
@@ -168,6 +186,22 @@ class AsyncLLMEngine:
                  thread: EngineThread | None = None) -> None:
         """`thread`: the thread that built `engine`, to step it on (None: a new thread)."""
         self.engine = engine
+        args = engine.args
+        cache = {
+            "block_size": args.block_size,
+            "cache_dtype": args.dtype,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "num_gpu_blocks": engine.kv.num_blocks,
+            "num_cpu_blocks": getattr(getattr(engine.kv, "cpu_pool", None), "num_blocks", 0),
+            "swap_space": args.swap_space or 0,
+        }
+        self.model_info = ModelInfo(engine.model_dir, engine.max_model_len,
+                                    engine.model_config.vocab_size, args.max_num_seqs,
+                                    args.scheduling_policy, tuple(cache.items()))
+        # the constraint compiler: thread-safe, so a front end's worker thread compiles a
+        # request's matcher (input_processor.Prepared) and the engine thread never waits on it
+        self.structured: StructuredOutputs = engine.structured
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -386,6 +420,11 @@ class AsyncLLMEngine:
                              ", ".join(self._streams) or "none")
             self._fail_all()
             return
+        if self.observer is not None:
+            try:
+                self.observer.on_step(self.engine.last_step_tokens)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("output observer failed")
         for progress in self.engine.step_progress:
             rid = progress.request_id
             if rid not in self._streams:

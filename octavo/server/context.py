@@ -33,18 +33,18 @@ T = TypeVar("T")
 
 class ServerContext:
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
-        llm = engine.engine
+        info = engine.model_info  # the server reads the engine through AsyncLLMEngine only
         self.engine = engine
         self.config = config
-        self.model_dir = str(llm.model_dir)
+        self.model_dir = str(info.model_dir)
         if not config.served_model_names:
-            config = config.replace(served_model_names=[llm.model_dir.name])
+            config = config.replace(served_model_names=[info.model_dir.name])
             self.config = config
         self.model_name = config.served_model_names[0]
-        self.max_model_len = llm.max_model_len
-        self.vocab_size = llm.model_config.vocab_size
-        self.max_num_seqs = llm.args.max_num_seqs
-        self.scheduling_policy = llm.args.scheduling_policy
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.max_num_seqs = info.max_num_seqs
+        self.scheduling_policy = info.scheduling_policy
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         self._worker_tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="octavo-tokenize")
@@ -53,7 +53,9 @@ class ServerContext:
             chat_template_timeout=config.chat_template_timeout,
             trust_request_chat_template=config.trust_request_chat_template)
         self.max_prompt_chars = self.bounded.max_prompt_chars
-        self.metrics = ServerMetrics(self.model_name, engine.stats)
+        self.metrics = ServerMetrics(self.model_name, engine.stats,
+                                     max_model_len=self.max_model_len,
+                                     cache_config=dict(info.cache_config))
         engine.observer = self.metrics
         self._token_strs: dict[int, str] = {}
 
@@ -98,7 +100,7 @@ class ServerContext:
         """The request's costly fields made ready for the engine, on the worker thread (400
         past the request's budget or for a constraint that does not compile; such errors name
         `constraint_param`)."""
-        structured = self.engine.engine.structured
+        structured = self.engine.structured
         if not params.bad_words and params.structured_outputs is None:  # nothing costly
             check_fields(params, structured.vocab_size, constraint_param)
             return Prepared()

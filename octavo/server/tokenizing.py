@@ -60,10 +60,11 @@ class BoundedTokenizer:
     def check_chars(self, num_chars: int, param: str) -> None:
         limit = self.max_prompt_chars
         if limit is not None and num_chars > limit:
-            raise bad_request(
-                f"the prompt has {num_chars} characters: more than max_model_len "
-                f"({self.max_model_len}) tokens of this vocabulary can hold (at most "
-                f"{limit} characters)", param,
+            raise bad_request(  # worded as vLLM's context-length error (serving_common.py)
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"the prompt has {num_chars} characters, more than {self.max_model_len} tokens "
+                f"of this vocabulary can hold (at most {limit} characters). "
+                "Please reduce the length of the messages.", param,
             )
 
     def encode(self, text: str, add_special_tokens: bool = True,
@@ -85,9 +86,10 @@ class BoundedTokenizer:
                 cuts += 1
             if count - SLACK_PER_CUT * cuts >= limit:
                 raise bad_request(
-                    f"the prompt has at least {count - SLACK_PER_CUT * cuts} tokens (counted in "
-                    f"its first {end} of {len(text)} characters) but max_model_len is {limit}: "
-                    "it must be shorter, leaving room for at least one generated token", param)
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested at least {count - SLACK_PER_CUT * cuts} tokens in the prompt "
+                    f"(counted in its first {end} of {len(text)} characters), leaving no room "
+                    "for a generated token. Please reduce the length of the messages.", param)
             start = end
 
     # ---- chat --------------------------------------------------------------------------------

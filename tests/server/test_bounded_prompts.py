@@ -53,7 +53,7 @@ def test_a_huge_cjk_prompt_is_refused_after_tokenizing_a_bounded_share_of_it(bou
     text = cjk(600_000)
     assert len(text) < bounded.max_prompt_chars
     bounded.tokenizer.chars = 0
-    with pytest.raises(OpenAIError, match="max_model_len is 8192") as e:
+    with pytest.raises(OpenAIError, match="maximum context length is 8192 tokens") as e:
         bounded.encode(text)
     assert e.value.status == 400 and e.value.param == "prompt"
     assert bounded.tokenizer.chars <= 4 * CHUNK_CHARS  # not 600,000

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 
@@ -46,10 +47,11 @@ def test_a_failed_step_fails_only_its_requests(tiny_llama_dir, caplog):
         events = [json.loads(x[6:]) for x in first if x.startswith("data: {")]
         # the client gets a generic message naming its request; the log has the cause
         message = events[-1]["error"]["message"]
-        request_id = events[0]["id"]
-        assert "injected device error" not in message
-        assert message == (f"the model step failed (request {request_id}); the server log has "
-                           "the details")
+        named = re.fullmatch(r"the model step failed \(request (cmpl-\w+)\); the server log "
+                             r"has the details", message)
+        assert named, message
+        request_id = named.group(1)
+        assert all(e.get("id", request_id) == request_id for e in events)
         logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert any("injected device error" in m and request_id in m for m in logged), logged
         assert second.status_code == 200, second.text

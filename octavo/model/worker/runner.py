@@ -10,7 +10,7 @@ fit, `init_kv_cache(n)` allocates them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,27 +28,22 @@ from octavo.model.quant.block_quant import BlockQuantLinear
 from octavo.model.quant.quantization import Int8Linear, weight_bytes
 from octavo.model.sample.logits_processor import LogitsProcessors
 from octavo.model.sample.metadata import SamplingMetadata
-from octavo.model.sample.sampler import Sampler, compute_logprobs
+from octavo.model.sample.sampler import Sampler, SamplerOutput, compute_logprobs
 from octavo.model.sources import resolve_model_dir
 from octavo.model.spec.draft_acceptance import accept_drafts
 from octavo.model.spec.draft_model import DraftModelDrafter
 from octavo.model.spec.self_draft import SelfDrafter
 from octavo.model.worker.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
-from octavo.model.worker.cuda_graphs import DecodeGraphs
+from octavo.model.worker.cuda_graphs import DecodeGraphs, batch_buckets, graphs_off_because
 from octavo.model.worker.decode_stack import build_decode_stack
+from octavo.model.worker.device import bind_device
 from octavo.model.worker.input_batch import InputBatch
-from octavo.model.worker.profile_run import activation_peak
-from octavo.step_plan import RunnerOutput, SeqChunk, StepPlan
+from octavo.model.worker.profile_run import activation_peak, graph_pool_peak
+from octavo.model.worker.sampling_rows import SamplingRows, grammar_rows, sampling_rows
+from octavo.step_plan import RunnerOutput, StepPlan
 
 __all__ = ["DTYPES", "ModelRunner", "load_model"]
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> torch.device:
-    d = torch.device(device)
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but no CUDA device is available")
-    return d
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -66,6 +61,8 @@ class StepLogits:
     prompt: dict[int, torch.Tensor]
     # the plan as computed: with the drafts the runner proposed filled in
     plan: StepPlan
+    # the bytes of the plan's tier_saves blocks, copied out before the step wrote anything
+    saved_blocks: list[bytes] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -80,7 +77,7 @@ class ModelRunner:
         # what this rank's layers and KV cache hold (its heads and MLP units under TP)
         self.local_config = (ShardPlan(config, tp.rank, tp.size).local_config
                              if tp is not None and tp.size > 1 else config)
-        self.device = resolve_device(args.device)
+        self.device = bind_device(args.device)  # current before anything allocates
         # every `auto` kernel choice, resolved once (model/kernel_config.py)
         self.kernels, self.dtype_choice = resolve_kernel_config(
             args, config, self.device, tp.size if tp is not None else 1)
@@ -97,6 +94,13 @@ class ModelRunner:
                                 args.quantization, args.quantization_group_size,
                                 args.packed_gemv_rows)
         self.backend = get_backend(self.kernels.attention, self.device, isa)
+        why = graphs_off_because(self.model, self.device, self.dtype, self.backend.name,
+                                 tp.size if tp is not None else 1, args.enforce_eager)
+        # decided once: size_kv_blocks and init_kv_cache read it
+        self.use_cuda_graphs = self.kernels.cuda_graphs and why is None
+        if self.device.type == "cuda":
+            logger.info("CUDA graphs for decode: %s", "on" if self.use_cuda_graphs else
+                        f"off, decode steps run eagerly ({why or 'not asked for'})")
         self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
@@ -169,12 +173,20 @@ class ModelRunner:
             extra = KVCache.bytes_per_block(self.drafter.config, self.block_size, self.dtype)
         return size_kv_blocks(self.args, self.local_config, self.dtype, self.device,
                               mem_get_info, extra_block_bytes=extra,
-                              activation_peak=self.profile_run)
+                              activation_peak=self.profile_run,
+                              graph_pool=self.graph_pool_run if self._wants_cuda_graphs()
+                              else None)
 
     def profile_run(self) -> int:
         """The largest step's activation peak on CUDA (profile_run.py; 0 elsewhere)."""
         return activation_peak(self.model, self.backend, self.args, self.local_config,
                                self.max_positions, self.dtype, self.device)
+
+    def graph_pool_run(self) -> int:
+        """What the decode CUDA graphs' memory pool will hold (profile_run.py; 0 off CUDA)."""
+        return graph_pool_peak(self.model, self.backend, self.local_config,
+                               batch_buckets(self.args.max_num_seqs)[-1], self.max_positions,
+                               self.block_size, self.dtype, self.device)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
@@ -196,15 +208,16 @@ class ModelRunner:
             self.graphs.capture_all()
 
     def _wants_cuda_graphs(self) -> bool:
-        """CUDA graphs for decode: on CUDA, with the Triton backend, one rank, unless
-        enforce_eager (cuda_graphs.py)."""
-        return self.kernels.cuda_graphs and self.backend.name == "triton"
+        """CUDA graphs for decode (cuda_graphs.graphs_off_because, decided at start-up)."""
+        return self.use_cuda_graphs
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
         logits = self.forward(plan)
-        return self._sample(logits.plan, logits)
+        out = self._sample(logits.plan, logits)
+        out.saved_blocks = logits.saved_blocks
+        return out
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -217,12 +230,17 @@ class ModelRunner:
         if self.drafter is not None:
             for seq_id in plan.finished_seq_ids + [n.seq_id for n in plan.new_seqs]:
                 self.drafter.forget(seq_id)
-        self.kv_cache.swap_out(plan.swap_out)
-        self.kv_cache.swap_in(plan.swap_in)
-        self.kv_cache.copy_blocks(plan.block_copies)
+        kv = self.kv_cache
+        # the KV tier's saves first: this step may reuse their blocks (kv_manager.py's order)
+        saved = [kv.read_block(b) for b in plan.tier_saves]
+        kv.swap_out(plan.swap_out)
+        kv.swap_in(plan.swap_in)
+        for block_id, data in plan.tier_loads:
+            kv.write_block(block_id, data)
+        kv.copy_blocks(plan.block_copies)
         if not plan.chunks:
             empty = torch.empty(0, self.config.vocab_size, device=self.device)
-            return StepLogits(sample=empty, prompt={}, plan=plan)
+            return StepLogits(sample=empty, prompt={}, plan=plan, saved_blocks=saved)
         if self.drafter is not None and any(c.num_draft_tokens for c in plan.chunks):
             drafts = self.drafter.propose(plan.chunks, self.batch, self.kv_cache, self.backend)
             plan = replace(plan, chunks=[replace(c, draft_token_ids=drafts[c.seq_id])
@@ -262,7 +280,7 @@ class ModelRunner:
         sampled = take_rows(logits, sample_rows)
         return StepLogits(sample=sampled,
                           prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows},
-                          plan=plan)
+                          plan=plan, saved_blocks=saved)
 
     def _sample(self, plan: StepPlan, logits: StepLogits) -> RunnerOutput:
         """Sample every sampling chunk's sequences. A chunk with drafts samples each of its
@@ -273,74 +291,56 @@ class ModelRunner:
         has the target distribution, and a seeded request gets the tokens it gets without
         speculation."""
         out = RunnerOutput()
-        rows: list[int] = []
-        seq_ids: list[int] = []
-        positions: list[int] = []  # draft position of each row (0: the next token)
-        histories: list[list[int]] = []
-        spec: list[tuple[SeqChunk, int]] = []  # (chunk with drafts, its first row)
-        row = 0
-        for chunk in plan.chunks:
-            if not chunk.sample_seq_ids:
-                continue
-            if chunk.draft_token_ids:
-                assert chunk.sample_seq_ids == (chunk.seq_id,), "drafts on a fan-out chunk"
-                tokens, drafts = self.batch.seqs[chunk.seq_id].token_ids, chunk.draft_token_ids
-                spec.append((chunk, len(seq_ids)))
-                for j in range(len(drafts) + 1):
-                    rows.append(row + j)
-                    seq_ids.append(chunk.seq_id)
-                    positions.append(j)
-                    histories.append(tokens + drafts[:j] if j else tokens)
-                row += len(drafts) + 1
-                continue
-            for seq_id in chunk.sample_seq_ids:
-                rows.append(row)
-                seq_ids.append(seq_id)
-                positions.append(0)
-                histories.append(self.batch.seqs[seq_id].token_ids)
-            row += 1
-        if seq_ids:
-            states = [self.batch.seqs[s] for s in seq_ids]
-            grammar = None
-            if plan.grammar_bitmask is not None:  # computed while the forward ran
-                gb = plan.grammar_bitmask
-                row_of = {key: r for r, key in enumerate(zip(seq_ids, positions, strict=True))}
-                grammar = ([row_of[key] for key in zip(
-                    gb.seq_ids, gb.positions or [0] * len(gb.seq_ids), strict=True)],
-                    gb.pending.result())
-            meta = SamplingMetadata.from_params(
-                [s.params for s in states], histories,
-                [s.num_prompt_tokens for s in states], self.config.vocab_size,
-                indices=[s.index for s in states], device=self.device, grammar=grammar,
-            )
-            sample = take_rows(logits.sample, rows)
-            custom = None
-            procs = self.logits_processors
-            if procs:
-                procs.update(seq_ids, [s.params for s in states],
-                             [s.token_ids[: s.num_prompt_tokens] for s in states],
-                             [s.token_ids[s.num_prompt_tokens:] for s in states])
-
-                def custom(x: torch.Tensor) -> torch.Tensor:
-                    return procs.apply(x, meta.all_greedy)
-            result = self.sampler(sample, meta, custom)
-            if procs:
-                procs.record(seq_ids, result.sampled_token_ids)
-            tokens_of, logprobs_of = result.sampled_token_ids, result.logprobs
-            for seq_id, token, lp in zip(seq_ids, tokens_of, logprobs_of, strict=True):
+        rows = sampling_rows(plan, self.batch.seqs)
+        if rows.seq_ids:
+            result = self._run_sampler(plan, logits, rows)
+            for seq_id, token, lp in zip(rows.seq_ids, result.sampled_token_ids,
+                                         result.logprobs, strict=True):
                 out.sampled_token_ids[seq_id] = [token]
                 if lp is not None:
                     out.logprobs[seq_id] = [lp]
-            for chunk, first in spec:
-                seq_id, drafts = chunk.seq_id, chunk.draft_token_ids
-                kept = accept_drafts(drafts, tokens_of[first : first + len(drafts) + 1])
-                out.sampled_token_ids[seq_id] = kept
-                if logprobs_of[first] is not None:
-                    out.logprobs[seq_id] = logprobs_of[first : first + len(kept)]
-                # the runner knows the tokens whose K/V it wrote: the accepted drafts
-                self.batch.seqs[seq_id].token_ids.extend(drafts[: len(kept) - 1])
-                if self.drafter is not None:
-                    self.drafter.accepted(seq_id, chunk.context_len - 1, len(kept) - 1)
+            self._keep_accepted_drafts(rows, result, out)
+        self._prompt_logprobs(plan, logits, out)
+        return out
+
+    def _run_sampler(self, plan: StepPlan, logits: StepLogits,
+                     rows: SamplingRows) -> SamplerOutput:
+        """The sampler over the sampling rows, custom logits processors included."""
+        states = [self.batch.seqs[s] for s in rows.seq_ids]
+        meta = SamplingMetadata.from_params(
+            [s.params for s in states], rows.histories,
+            [s.num_prompt_tokens for s in states], self.config.vocab_size,
+            indices=[s.index for s in states], device=self.device,
+            grammar=grammar_rows(plan, rows),
+        )
+        sample = take_rows(logits.sample, rows.rows)
+        procs = self.logits_processors
+        if not procs:
+            return self.sampler(sample, meta, None)
+        procs.update(rows.seq_ids, [s.params for s in states],
+                     [s.token_ids[: s.num_prompt_tokens] for s in states],
+                     [s.token_ids[s.num_prompt_tokens:] for s in states])
+        result = self.sampler(sample, meta, lambda x: procs.apply(x, meta.all_greedy))
+        procs.record(rows.seq_ids, result.sampled_token_ids)
+        return result
+
+    def _keep_accepted_drafts(self, rows: SamplingRows, result: SamplerOutput,
+                              out: RunnerOutput) -> None:
+        """Per chunk with drafts: the drafts its samples agree with, then the first sample
+        that disagrees (model/spec/draft_acceptance.py)."""
+        tokens_of, logprobs_of = result.sampled_token_ids, result.logprobs
+        for chunk, first in rows.spec:
+            seq_id, drafts = chunk.seq_id, chunk.draft_token_ids
+            kept = accept_drafts(drafts, tokens_of[first : first + len(drafts) + 1])
+            out.sampled_token_ids[seq_id] = kept
+            if logprobs_of[first] is not None:
+                out.logprobs[seq_id] = logprobs_of[first : first + len(kept)]
+            # the runner knows the tokens whose K/V it wrote: the accepted drafts
+            self.batch.seqs[seq_id].token_ids.extend(drafts[: len(kept) - 1])
+            if self.drafter is not None:
+                self.drafter.accepted(seq_id, chunk.context_len - 1, len(kept) - 1)
+
+    def _prompt_logprobs(self, plan: StepPlan, logits: StepLogits, out: RunnerOutput) -> None:
         for chunk in plan.chunks:
             if chunk.prompt_logprobs:
                 state = self.batch.seqs[chunk.seq_id]
@@ -352,4 +352,3 @@ class ModelRunner:
                     compute_logprobs(logits.prompt[chunk.seq_id][: len(targets)], targets, k)
                     if targets else []
                 )
-        return out
