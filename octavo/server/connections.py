@@ -162,6 +162,11 @@ class RateLimitedLog(logging.Filter):
             record.exc_info = None  # one traceback per message is enough
         return True
 
+    def reset(self) -> None:
+        """Forget what was logged: the next record of each message passes."""
+        self._last.clear()
+        self._dropped.clear()
+
 
 _FILTER = RateLimitedLog()
 _NOISY_LOGGERS = ("asyncio", "uvicorn.error")
@@ -176,6 +181,12 @@ def rate_limit_noisy_logs() -> None:
         log = logging.getLogger(name)
         if _FILTER not in log.filters:
             log.addFilter(_FILTER)
+
+
+def reset_log_rate_limits() -> None:
+    """The rate limit of rate_limit_noisy_logs() starts afresh (servers of one process that
+    should each log their first lines, as tests start them)."""
+    _FILTER.reset()
 
 
 def raise_fd_limit(want: int = 1 << 16) -> int:

@@ -75,8 +75,6 @@ def _find_unencodable(value: Any, path: str) -> None:
             _find_unencodable(item, f"{path}.{i}" if path else str(i))
 
 
-
-
 class RequestModel(OpenAIBaseModel):
     """What clients send: strict types, finite numbers, encodable text."""
 

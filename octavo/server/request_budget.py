@@ -10,7 +10,8 @@ is held to a per-request budget (REQUEST_BUDGET characters): stop strings count 
 sequence (n), bad_words twice. What passes is prepared here, on the server's worker thread
 (`prepare_fields`): bad_words as token ids and the constraint's grammar matcher, handed to the
 engine with the request (engine/input_processor.py's Prepared), so the engine thread only takes
-them. llguidance's errors (a Rust panic's text included) reach the client as their first line.
+them. llguidance's errors (a Rust panic's text included) reach the client on one short line,
+without a backtrace (engine/structured_output.py's error_text).
 """
 
 from __future__ import annotations
