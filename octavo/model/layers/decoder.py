@@ -158,6 +158,7 @@ class Attention(nn.Module):
         # local attention over the last `window` keys, and the score soft cap (Gemma sets them)
         self.window: int | None = None
         self.softcap: float | None = None
+        self.rope = True  # False: no rotary embedding on this layer (SmolLM3's NoPE layers)
         self.ops: Any = None  # compiled CPU ops, when enabled
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
@@ -172,12 +173,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.q_norm is not None:
             self._norm_heads(qkv)
-        if self.ops is not None:
+        if self.ops is not None and self.rope:
             self.ops.rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.ops is None:
+        if self.ops is None and self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.window is None and self.softcap is None:

@@ -14,6 +14,7 @@ from octavo.model.models.mixtral import MixtralForCausalLM
 from octavo.model.models.phi3 import Phi3ForCausalLM
 from octavo.model.models.qwen2_moe import Qwen2MoeForCausalLM
 from octavo.model.models.qwen3 import Qwen3ForCausalLM
+from octavo.model.models.smollm3 import SmolLM3ForCausalLM
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -25,6 +26,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "mixtral": MixtralForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "smollm3": SmolLM3ForCausalLM,  # no RoPE on every fourth layer
 }
 assert set(MODELS) == set(SUPPORTED_MODEL_TYPES), "config.SUPPORTED_MODEL_TYPES is out of date"
 
