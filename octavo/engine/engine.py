@@ -60,9 +60,11 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(args, self.model_config, blocks.num_blocks)
         self.executor.init_kv_cache(blocks.num_blocks, blocks.num_host_blocks)
         path = self.executor.kernel_path()
-        # the weights in memory (per rank under TP) and what quantization saved
+        # the weights in memory (per rank under TP), what quantization saved, and the KV
+        # cache's bytes per token
         self.weight_stats = {k: path.get(k, 0) for k in ("weights_bytes",
-                                                         "quantization_saved_bytes")}
+                                                         "quantization_saved_bytes",
+                                                         "kv_bytes_per_token")}
         self.kv = make_kv_manager(args, blocks.num_blocks, blocks.num_host_blocks,
                                   self.max_model_len, self.model_config)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from octavo.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from octavo.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from octavo.model.models.gemma4 import Gemma4ForCausalLM
 from octavo.model.models.llama import LlamaForCausalLM
 from octavo.model.models.mixtral import MixtralForCausalLM
 from octavo.model.models.phi3 import Phi3ForCausalLM
@@ -27,6 +28,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,  # no RoPE on every fourth layer
+    "gemma4_text": Gemma4ForCausalLM,  # later layers share earlier layers' K/V
 }
 assert set(MODELS) == set(SUPPORTED_MODEL_TYPES), "config.SUPPORTED_MODEL_TYPES is out of date"
 

@@ -156,11 +156,14 @@ class ModelRunner:
                 **self.weights_report()}
 
     def weights_report(self) -> dict[str, int | str]:
-        """The weights' bytes in memory, and what quantization saved (0 without)."""
+        """The weights' bytes in memory, and what quantization saved (0 without); and the KV
+        cache's bytes per token (the layers that own KV pages only)."""
         report = self.model.quant_report
+        elem = torch.empty((), dtype=self.dtype).element_size()
         return {"quantization": report.method if report is not None else "none",
                 "weights_bytes": weight_bytes(self.model),
-                "quantization_saved_bytes": report.saved_bytes if report is not None else 0}
+                "quantization_saved_bytes": report.saved_bytes if report is not None else 0,
+                "kv_bytes_per_token": self.local_config.kv_bytes_per_token(elem)}
 
     # ---- start-up -------------------------------------------------------------------------
     def size_kv_blocks(self, mem_get_info: MemInfo | None = None) -> KVBlockCounts:
