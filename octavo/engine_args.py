@@ -86,6 +86,10 @@ class EngineArgs:
         None, "host memory for swapped-out KV blocks, GiB (default: as many host blocks as "
         "device blocks with preemption_mode=swap, else none)", check=_at_least(0))
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of identical prompt prefixes")
+    num_state_slots: int | None = _opt(
+        None, "models with recurrent layers: state slots, one per running sequence plus those "
+        "holding prefix-cache snapshots (default: max_num_seqs, twice that with prefix "
+        "caching, within half the KV cache memory)", check=_at_least(1))
     kv_allocator: str = _opt(
         "paged", "paged, or the contiguous reserve-up-front baseline (for benchmarks)",
         choices=("paged", "contiguous"))

@@ -64,9 +64,9 @@ class LLMEngine:
         # cache's bytes per token
         self.weight_stats = {k: path.get(k, 0) for k in ("weights_bytes",
                                                          "quantization_saved_bytes",
-                                                         "kv_bytes_per_token")}
-        self.kv = make_kv_manager(args, blocks.num_blocks, blocks.num_host_blocks,
-                                  self.max_model_len, self.model_config)
+                                                         "kv_bytes_per_token",
+                                                         "state_bytes_per_slot")}
+        self.kv = make_kv_manager(args, blocks, self.max_model_len, self.model_config)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         if self.executor.drafter is not None:
             self.scheduler.set_draft_token_share(self.executor.drafter.share)

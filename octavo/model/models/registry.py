@@ -15,6 +15,7 @@ from octavo.model.models.mixtral import MixtralForCausalLM
 from octavo.model.models.phi3 import Phi3ForCausalLM
 from octavo.model.models.qwen2_moe import Qwen2MoeForCausalLM
 from octavo.model.models.qwen3 import Qwen3ForCausalLM
+from octavo.model.models.qwen3_5 import Qwen35ForCausalLM
 from octavo.model.models.smollm3 import SmolLM3ForCausalLM
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -29,6 +30,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "gemma3_text": Gemma3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,  # no RoPE on every fourth layer
     "gemma4_text": Gemma4ForCausalLM,  # later layers share earlier layers' K/V
+    "qwen3_5_text": Qwen35ForCausalLM,  # Gated DeltaNet (recurrent state) + full attention
 }
 assert set(MODELS) == set(SUPPORTED_MODEL_TYPES), "config.SUPPORTED_MODEL_TYPES is out of date"
 

@@ -6,6 +6,12 @@ else already on the device, other processes included) are counted, read from the
 loading, and once the activation peak of the largest step is set aside, measured by a profile
 run of that step before the cache exists (vLLM's rule: the utilization caps everything the
 engine uses, not just the cache).
+
+A model with recurrent layers also needs state slots (paging/state_slots.py): one per running
+sequence (`max_num_seqs`) and as many again for prefix-cache snapshots when prefix caching is
+on, or `num_state_slots`. They come out of the same memory, at most half of it; where half
+holds fewer, fewer sequences run at once (a sequence without a slot waits like one without
+blocks). With `num_kv_blocks` the blocks are as asked and the slots come on top.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ class KVBlockCounts:
     num_blocks: int
     num_host_blocks: int
     block_bytes: int
+    num_state_slots: int = 0  # recurrent layers' state slots (0: none)
+    num_host_state_slots: int = 0
+    state_slot_bytes: int = 0
 
 
 def cuda_kv_budget(device: torch.device, utilization: float,
@@ -54,14 +63,25 @@ def cuda_kv_budget(device: torch.device, utilization: float,
     return budget
 
 
+def state_slot_count(args: EngineArgs) -> int:
+    """State slots asked for: `num_state_slots`, else one per running sequence, twice that with
+    prefix caching (the other half holds snapshots)."""
+    if args.num_state_slots is not None:
+        return args.num_state_slots
+    return args.max_num_seqs * (2 if args.enable_prefix_caching else 1)
+
+
 def size_kv_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
                    device: torch.device, mem_get_info: MemInfo | None = None,
                    extra_block_bytes: int = 0,
-                   activation_peak: Callable[[], int] | None = None) -> KVBlockCounts:
+                   activation_peak: Callable[[], int] | None = None,
+                   state_slot_bytes: int = 0) -> KVBlockCounts:
     """`extra_block_bytes`: what each block costs beyond the target's K/V (a draft model's
     cache, which has the same blocks); `activation_peak`: the profile run, called only where
-    the budget comes from gpu_memory_utilization."""
+    the budget comes from gpu_memory_utilization; `state_slot_bytes`: one state slot of the
+    recurrent layers (0: a model without them)."""
     block_bytes = KVCache.bytes_per_block(config, args.block_size, dtype) + extra_block_bytes
+    slots = state_slot_count(args) if state_slot_bytes else 0
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
     else:
@@ -73,6 +93,9 @@ def size_kv_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
                                         peak)
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
+        if slots:
+            slots = max(1, min(slots, budget // 2 // state_slot_bytes))
+            budget -= slots * state_slot_bytes
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -80,7 +103,14 @@ def size_kv_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
                 f"({block_bytes} bytes at block_size={args.block_size})"
             )
     if args.swap_space is not None:
-        num_host = int(args.swap_space * (1 << 30)) // block_bytes
+        host_bytes = int(args.swap_space * (1 << 30))
+        host_slots = min(slots, host_bytes // 2 // state_slot_bytes) if slots else 0
+        num_host = (host_bytes - host_slots * state_slot_bytes) // block_bytes
     else:
-        num_host = num_blocks if args.preemption_mode == "swap" else 0
-    return KVBlockCounts(num_blocks, num_host, block_bytes)
+        swap = args.preemption_mode == "swap"
+        num_host = num_blocks if swap else 0
+        host_slots = slots if swap else 0
+    if slots:
+        logger.info("recurrent state: %d slots of %.1f MiB (%d on the host)", slots,
+                    state_slot_bytes / 2**20, host_slots)
+    return KVBlockCounts(num_blocks, num_host, block_bytes, slots, host_slots, state_slot_bytes)
