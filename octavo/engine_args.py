@@ -55,6 +55,12 @@ def _speculative(v: dict | None) -> str | None:
     return None
 
 
+def _redis_url(v: str | None) -> str | None:
+    if v is None or v.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    return f"must be a redis://, rediss:// or unix:// URL, got {v!r}"
+
+
 def _device(v: str) -> str | None:
     return None if _DEVICE.match(v) else f"must be 'cpu', 'cuda' or 'cuda:N', got {v!r}"
 
@@ -83,13 +89,30 @@ class EngineArgs:
     gpu_memory_utilization: float = _opt(
         0.9, "share of the GPU's memory the engine may use, weights included", check=_fraction)
     swap_space: float | None = _opt(
-        None, "host memory for swapped-out KV blocks, GiB (default: as many host blocks as "
-        "device blocks with preemption_mode=swap, else none)", check=_at_least(0))
+        None, "host memory for swapped-out KV blocks, GiB (default with preemption_mode=swap: "
+        "4, as vLLM, and at most as many blocks as the device has; else none)",
+        check=_at_least(0))
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of identical prompt prefixes")
     num_state_slots: int | None = _opt(
         None, "models with recurrent layers: state slots, one per running sequence plus those "
         "holding prefix-cache snapshots (default: max_num_seqs, twice that with prefix "
         "caching, within half the KV cache memory)", check=_at_least(1))
+    kv_offload_dir: str | None = _opt(
+        None, "a directory for the KV tier below the pool: full prefix-cache blocks are "
+        "written there in the background, and a prefix the pool no longer holds is loaded back "
+        "instead of recomputed; it outlives the server, and several servers of the same model "
+        "may share it")
+    kv_offload_url: str | None = _opt(
+        None, "a remote KV tier instead of a directory, for servers on several machines: "
+        "redis://host:port/db (Redis or Valkey; bound it with the server's maxmemory and "
+        "maxmemory-policy allkeys-lru)", check=_redis_url)
+    kv_offload_bytes: int | None = _opt(
+        None, "the size bound of kv_offload_dir; the least recently used blocks go first "
+        "(default: 16 GiB)", check=_at_least(1))
+    kv_offload_write: str = _opt(
+        "free", "when a block goes to the KV tier: free (when its last request lets go of it: "
+        "a restart or another server finds it at once) or evict (only when the pool needs its "
+        "memory: fewer writes)", choices=("free", "evict"))
     kv_allocator: str = _opt(
         "paged", "paged, or the contiguous reserve-up-front baseline (for benchmarks)",
         choices=("paged", "contiguous"))
@@ -178,6 +201,7 @@ class EngineArgs:
             if self.tensor_parallel_size > 1:
                 raise EngineArgsError("quantization", "cannot be combined with "
                                       "tensor_parallel_size > 1 yet")
+        self._check_kv_offload()
         if self.tensor_parallel_size > 1:
             if self.distributed_executor_backend == "uni":
                 raise EngineArgsError("distributed_executor_backend", "uni runs one rank; "
@@ -187,6 +211,26 @@ class EngineArgs:
             if spec is not None and spec.method != "ngram":
                 raise EngineArgsError("speculative_config", f"method {spec.method!r} does not "
                                       "run with tensor_parallel_size > 1 yet (ngram does)")
+
+    def _check_kv_offload(self) -> None:
+        name = ("kv_offload_dir" if self.kv_offload_dir is not None
+                else "kv_offload_url" if self.kv_offload_url is not None else None)
+        if name is None:
+            if self.kv_offload_bytes is not None:
+                raise EngineArgsError("kv_offload_bytes", "bounds a KV tier directory: give "
+                                      "kv_offload_dir too")
+            return
+        if self.kv_offload_dir is not None and self.kv_offload_url is not None:
+            raise EngineArgsError("kv_offload_url", "give a KV tier directory or a URL, not "
+                                  "both")
+        if self.kv_offload_url is not None and self.kv_offload_bytes is not None:
+            raise EngineArgsError("kv_offload_bytes", "bounds a KV tier directory; a Redis or "
+                                  "Valkey tier is bounded by the server's maxmemory")
+        if not self.enable_prefix_caching or self.kv_allocator != "paged":
+            raise EngineArgsError(name, "the KV tier holds prefix-cache blocks: it needs "
+                                  "enable_prefix_caching and the paged KV cache")
+        if self.tensor_parallel_size > 1:
+            raise EngineArgsError(name, "cannot be combined with tensor_parallel_size > 1 yet")
 
     @property
     def executor_backend(self) -> str:

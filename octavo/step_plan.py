@@ -110,6 +110,11 @@ class StepPlan:
     # `position` tokens (a block boundary inside its chunk) is also written into `slot`.
     state_transfers: list[tuple[str, int, int]] = field(default_factory=list)
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    # The KV tier (paging/tier/): blocks whose bytes the runner copies out first of all, before
+    # anything this step writes over them (returned in RunnerOutput.saved_blocks, in this
+    # order), and (block id, bytes) loaded into fresh blocks after the swaps, before the forward.
+    tier_saves: list[int] = field(default_factory=list)
+    tier_loads: list[tuple[int, memoryview]] = field(default_factory=list)
     # Allowed tokens of the constrained sequences that sample (None: none is constrained).
     grammar_bitmask: GrammarBitmask | None = None
 
@@ -129,3 +134,5 @@ class RunnerOutput:
     logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
     # seq_id -> logprobs of the prompt tokens this step's chunk predicted
     prompt_logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
+    # the bytes of the plan's tier_saves blocks, in its order
+    saved_blocks: list[bytes] = field(default_factory=list)

@@ -14,6 +14,7 @@ from octavo.engine_args import EngineArgs
 from octavo.paging.allocator import KVAllocator
 from octavo.paging.baseline.contiguous import ContiguousAllocator
 from octavo.paging.kv_manager import KVCacheManager
+from octavo.paging.tier import KVTier
 
 if TYPE_CHECKING:
     from octavo.model.worker.cache_sizing import KVBlockCounts
@@ -32,6 +33,9 @@ def check_max_model_len(args: EngineArgs, model: ModelConfig) -> None:
                              f"{kinds} need the paged KV cache")
         if args.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size > 1 does not run {kinds} yet")
+        if args.kv_offload_dir is not None or args.kv_offload_url is not None:
+            raise ValueError(f"the KV tier (kv_offload_dir, kv_offload_url) holds no state "
+                             f"snapshots of {kinds}; leave it unset")
     limit, why = model.max_len
     if args.max_model_len is not None and args.max_model_len > limit:
         raise ValueError(f"max_model_len={args.max_model_len} exceeds what this model allows: "
@@ -56,7 +60,7 @@ def resolve_max_model_len(args: EngineArgs, model: ModelConfig, num_blocks: int)
 
 
 def make_kv_manager(args: EngineArgs, counts: KVBlockCounts, max_model_len: int,
-                    model: ModelConfig) -> KVAllocator:
+                    model: ModelConfig, tier: KVTier | None = None) -> KVAllocator:
     """`counts`: the runner's sizing (model/worker/cache_sizing.py)."""
     num_blocks, num_host_blocks = counts.num_blocks, counts.num_host_blocks
     windows = model.kv_groups.windows
@@ -70,6 +74,6 @@ def make_kv_manager(args: EngineArgs, counts: KVBlockCounts, max_model_len: int,
                                    reserve=args.contiguous_reserve)
     return KVCacheManager(num_blocks, args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          num_cpu_blocks=num_host_blocks, windows=windows,
+                          num_cpu_blocks=num_host_blocks, windows=windows, tier=tier,
                           num_state_slots=counts.num_state_slots,
                           num_cpu_state_slots=counts.num_host_state_slots)

@@ -4,10 +4,10 @@ Two calls a step, around the runner: `schedule()` builds the StepPlan, `update_f
 takes what the runner sampled and moves the sequences on.
 
 Every step builds one batch under a token budget (``max_num_batched_tokens``) and a sequence cap
-(``max_num_seqs``): running requests first, those decoding before those still in their prompt,
-each kind in rank order, then requests swapped out earlier, then waiting prompts, a long prompt
-split over several steps. Decodes first: a long prefill never takes the budget a decode needs,
-so every running stream gets its token each step. `long_prefill_token_threshold` caps one
+(``max_num_seqs``): running requests first, in rank order (their decode tokens, or the next
+chunk of a prompt), then requests swapped out earlier, then waiting prompts, a long prompt split
+over several steps. A running prompt's chunk leaves the budget the decodes ranked after it need:
+a long prefill never starves a stream of its next token. `long_prefill_token_threshold` caps one
 prompt's chunk per step and `max_num_partial_prefills` the prompts in one step (vLLM's names),
 which keeps steps short while prompts arrive: what protects time per output token. When blocks
 run out, the lowest-ranked running request (last arrived, or lowest priority under the priority
@@ -125,6 +125,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def tier_flush_plan(self) -> StepPlan | None:
+        """A plan that only copies out the blocks waiting for the KV tier (an idle engine runs
+        it, so a finished request's blocks reach the tier without waiting for new work)."""
+        if not self.kv.has_tier_saves():
+            return None
+        plan = StepPlan()
+        plan.tier_saves, plan.tier_loads = self.kv.take_tier_io()
+        return plan
+
     @property
     def num_running_seqs(self) -> int:
         return sum(len(r.live_seqs) for r in self.running)
@@ -147,16 +156,19 @@ class Scheduler:
         preempted_before = self.num_preemptions
         priority = self.config.scheduling_policy == "priority"
         priority_preemptions = 0
-        # decodes first, then prompts, each in rank order; preemption takes from the tail
-        decoding = [r for r in self.running if not self._in_prompt(r)]
-        for request in decoding + [r for r in self.running if self._in_prompt(r)]:
+        # rank order (preemption takes from the tail); a prompt's chunk leaves the budget the
+        # decodes ranked after it need, so they all get their token this step
+        running = list(self.running)
+        decodes_after = self._decodes_after(running)
+        for i, request in enumerate(running):
             if budget <= 0:
                 break
             if priority and request.status is RequestStatus.RUNNING:
                 budget, n = self._admit_outranking(request, plan, budget)
                 priority_preemptions += n
             if request.status is RequestStatus.RUNNING:
-                budget = self._schedule_running(request, plan, budget)
+                reserved = min(decodes_after[i], budget) if self._in_prompt(request) else 0
+                budget = reserved + self._schedule_running(request, plan, budget - reserved)
 
         # After running requests had to give up blocks this step, nothing new starts: it would
         # only be preempted again. Swapped requests come back before waiting ones that rank
@@ -171,10 +183,20 @@ class Scheduler:
             self._admit_waiting(plan, budget)
         plan.block_copies = self.kv.take_block_copies()
         plan.state_transfers, plan.state_snapshots = self.kv.take_state_ops()
+        plan.tier_saves, plan.tier_loads = self.kv.take_tier_io()
         plan.swap_out, self._swap_out = self._swap_out, []
         plan.finished_seq_ids, self._dropped = self._dropped, []
         self.peak_running_seqs = max(self.peak_running_seqs, self.num_running_seqs)
         return plan
+
+    @staticmethod
+    def _decodes_after(running: list[Request]) -> list[int]:
+        """Per running request, the decoding sequences of the requests ranked after it."""
+        after, total = [], 0
+        for request in reversed(running):
+            after.append(total)
+            total += sum(seq.num_new_tokens == 1 for seq in request.live_seqs)
+        return after[::-1]
 
     @staticmethod
     def _in_prompt(request: Request) -> bool:
@@ -467,6 +489,7 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, out: RunnerOutput) -> list[RequestUpdate]:
         """Append what the runner sampled, finish what tokens alone finish (EOS, stop token ids,
         length: their blocks go back at once), take the beam steps; one update per request."""
+        self.kv.tier_io_done(out.saved_blocks)
         now = time.monotonic()
         updates: dict[str, RequestUpdate] = {}
 
@@ -572,6 +595,7 @@ class Scheduler:
         cache but never computed, so nobody may hit them (the caller aborts the requests)."""
         for chunk in plan.chunks:
             self.kv.uncache_from(chunk.seq_id, chunk.start_pos)
+        self.kv.tier_io_failed()  # so were blocks it was to load from the KV tier
         self._dropped.extend(plan.finished_seq_ids)  # the runner may not have seen them
 
     # ---- freeing --------------------------------------------------------------------------

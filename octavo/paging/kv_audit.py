@@ -14,6 +14,7 @@ from octavo.paging.group_windows import GroupWindows
 from octavo.paging.prefix_cache import PrefixCache
 from octavo.paging.seq_blocks import SeqBlocks, cdiv
 from octavo.paging.state_slots import StateSlots
+from octavo.paging.tier.kv_tier import KVTier
 from octavo.paging.waste import check_slot_sum, paged_slot_stats
 
 
@@ -25,6 +26,7 @@ class KVState(Protocol):
     prefix_cache: PrefixCache
     blocks_freed_out_of_window: int
     state: StateSlots | None
+    tier: KVTier | None
 
     @property
     def cpu_pool(self) -> BlockPool: ...
@@ -96,6 +98,7 @@ def kv_stats(kv: KVState) -> dict[str, int | float]:
         "kv_cpu_blocks_total": kv.cpu_pool.num_blocks,
         "kv_cpu_blocks_used": kv.cpu_pool.num_used_blocks,
         **(kv.state.stats() if kv.state is not None else {}),
+        **(kv.tier.stats() if kv.tier is not None else {}),
     }
 
 

@@ -80,6 +80,35 @@ class KVCache:
         device = self.device_cache.device
         self.device_cache[:, :, dst.to(device)] = self.host_cache[:, :, src].to(device)
 
+    # -- one block as bytes (the KV tier's only door into the cache) ----------------------------
+    def block_format(self) -> str:
+        """What the bytes of one block are: dtype and shape, the KV tier's records are only
+        read back into a cache of the same format (it is part of the tier's fingerprint)."""
+        shape = [d for i, d in enumerate(self.device_cache.shape) if i != 2]
+        return f"{str(self.device_cache.dtype).removeprefix('torch.')}{shape}"
+
+    @property
+    def block_nbytes(self) -> int:
+        c = self.device_cache
+        return c[:, :, 0].numel() * c.element_size()
+
+    def read_block(self, block_id: int) -> bytes:
+        """A copy of block `block_id`'s K and V for every layer slot, as bytes."""
+        block = self.device_cache[:, :, block_id].contiguous()
+        return block.view(torch.uint8).cpu().numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes | bytearray | memoryview) -> None:
+        """Fill block `block_id` with bytes read_block gave (of a cache of this format)."""
+        view = memoryview(data).cast("B")
+        if view.nbytes != self.block_nbytes:
+            raise ValueError(f"a KV block of this cache takes {self.block_nbytes} bytes, got "
+                             f"{view.nbytes}")
+        cache = self.device_cache
+        if view.readonly:
+            view = memoryview(bytearray(view))
+        src = torch.frombuffer(view, dtype=torch.uint8).view(cache.dtype)
+        cache[:, :, block_id] = src.view(cache[:, :, block_id].shape).to(cache.device)
+
     @staticmethod
     def _index(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
         t = torch.tensor(pairs, dtype=torch.long, device=device)

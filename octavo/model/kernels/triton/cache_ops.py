@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.model.kernels.triton import interpreted
+from octavo.model.kernels.triton import check_device, interpreted, jit
 
 
-@triton.jit
+@jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_vt,
                      tokens, ROW: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr):
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
@@ -37,6 +37,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, num_kv_heads, head_dim] (each row contiguous, rows may be strided: views of
     the fused qkv buffer); caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+    check_device(k)
     tokens, heads, dim = k.shape
     if tokens == 0:
         return
@@ -50,7 +51,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     )
 
 
-@triton.jit
+@jit
 def _copy_blocks_kernel(cache_ptr, pairs_ptr, stride_part, stride_block,
                         BLOCK_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
     pair = tl.program_id(0)
@@ -68,6 +69,7 @@ def _copy_blocks_kernel(cache_ptr, pairs_ptr, stride_part, stride_block,
 def copy_blocks(cache: torch.Tensor, pairs: torch.Tensor) -> None:
     """cache: [slots, 2, blocks, block_size, kv_heads, head_dim] (contiguous); pairs: [n, 2]
     (src, dst) block ids."""
+    check_device(cache)
     if pairs.numel() == 0:
         return
     assert cache.is_contiguous()

@@ -24,13 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.model.kernels.triton import interpreted
+from octavo.model.kernels.triton import check_device, interpreted, jit
 
 SPLIT_TOKENS = 512  # context per split before another split is added
 MAX_SPLITS = 16
 
 
-@triton.jit
+@jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_lens_ptr, first_pos_ptr,
     part_out_ptr, part_lse_ptr,
@@ -110,7 +110,7 @@ def _decode_split_kernel(
                  mask=row_mask)
 
 
-@triton.jit
+@jit
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
@@ -158,6 +158,7 @@ def paged_decode(
     out: torch.Tensor | None = None,
     splits: int | None = None,
 ) -> torch.Tensor:
+    check_device(q)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -19,11 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.model.kernels.triton import interpreted
+from octavo.model.kernels.triton import check_device, interpreted, jit
 from octavo.model.kernels.triton.decode import dot_precision
 
 
-@triton.jit
+@jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, query_start_ptr, start_pos_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -106,6 +106,7 @@ def paged_prefill(
     softcap: float = 0.0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    check_device(q)
     _, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
