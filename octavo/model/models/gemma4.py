@@ -25,6 +25,7 @@ the KV cache holds one head shape for all layers.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from octavo.config import ModelConfig
 from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
 from octavo.model.layers.decoder import RotaryEmbedding, apply_rope
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.weights import Value, cat
 from octavo.model.models.checkpoint import CheckpointLoader
 from octavo.model.models.gemma import ACTIVATIONS, GemmaMLP
 from octavo.model.models.llama import LlamaForCausalLM
@@ -243,7 +245,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
     def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
         """Nothing to switch: the compiled ops are Llama's norm and SiLU."""
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, tensors: Mapping[str, Value]) -> None:
         ckpt = CheckpointLoader(self, tensors)
         ckpt.copy("model.embed_tokens.weight", "embed_tokens.weight")
         ckpt.copy("model.norm.weight", "norm.weight")
@@ -271,11 +273,11 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             projs = ["q"] + ([] if not attn.owns_kv else ["k"] if attn.k_eq_v else ["k", "v"])
             kinds = ("weight", "bias") if self.config.attention_bias else ("weight",)
             for kind in kinds:
-                ckpt.put(f"{dst}self_attn.qkv_proj.{kind}", torch.cat(
+                ckpt.put(f"{dst}self_attn.qkv_proj.{kind}", cat(
                     [ckpt.take(f"{src}self_attn.{p}_proj.{kind}") for p in projs]))
                 if kind == "bias":
                     ckpt.copy(f"{src}self_attn.o_proj.bias", f"{dst}self_attn.o_proj.bias")
-            ckpt.put(f"{dst}mlp.gate_up_proj.weight", torch.cat(
+            ckpt.put(f"{dst}mlp.gate_up_proj.weight", cat(
                 [ckpt.take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]))
             ckpt.copy(f"{src}mlp.down_proj.weight", f"{dst}mlp.down_proj.weight")
         ckpt.finish()

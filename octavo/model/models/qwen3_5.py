@@ -19,6 +19,7 @@ Text positions only: the multimodal RoPE sections coincide for text, so it is pl
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from octavo.model.layers.linear import PackedLinear
 from octavo.model.layers.recurrent.conv import conv_chunk, conv_decode
 from octavo.model.layers.recurrent.gated_delta import chunk_gated_delta, recurrent_gated_delta
 from octavo.model.layers.recurrent.state import StateMetadata, StateShapes
+from octavo.model.layers.weights import Value, cat
 from octavo.model.models.checkpoint import CheckpointLoader
 from octavo.model.models.gemma import GemmaRMSNorm
 from octavo.model.models.llama import LlamaForCausalLM
@@ -266,7 +268,7 @@ class Qwen35ForCausalLM(LlamaForCausalLM):
             elif isinstance(module, PackedLinear):
                 module.use_gemv(ops, packed_gemv_rows)
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, tensors: Mapping[str, Value]) -> None:
         ckpt = CheckpointLoader(self, tensors)
         ckpt.copy("model.embed_tokens.weight", "embed_tokens.weight")
         ckpt.copy("model.norm.weight", "norm.weight")
@@ -278,14 +280,14 @@ class Qwen35ForCausalLM(LlamaForCausalLM):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 ckpt.copy(f"{src}{norm}.weight", f"{dst}{norm}.weight")
-            ckpt.put(f"{dst}mlp.gate_up_proj.weight", torch.cat(
+            ckpt.put(f"{dst}mlp.gate_up_proj.weight", cat(
                 [ckpt.take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]))
             ckpt.copy(f"{src}mlp.down_proj.weight", f"{dst}mlp.down_proj.weight")
             if isinstance(layer.mixer, GatedDeltaNet):
                 s, d = src + "linear_attn.", dst + "mixer."
-                ckpt.put(f"{d}in_proj.weight", torch.cat(
+                ckpt.put(f"{d}in_proj.weight", cat(
                     [ckpt.take(f"{s}in_proj_{p}.weight") for p in ("qkv", "z", "b", "a")]))
-                ckpt.put(f"{d}conv_weight", ckpt.take(f"{s}conv1d.weight").squeeze(1))
+                ckpt.put(f"{d}conv_weight", ckpt.tensor(f"{s}conv1d.weight").squeeze(1))
                 for name in ("dt_bias", "A_log"):
                     ckpt.copy(f"{s}{name}", f"{d}{name}")
                 for name in ("norm.weight", "out_proj.weight"):
@@ -294,7 +296,7 @@ class Qwen35ForCausalLM(LlamaForCausalLM):
                 s, d = src + "self_attn.", dst + "mixer."
                 kinds = ("weight", "bias") if self.config.attention_bias else ("weight",)
                 for kind in kinds:
-                    ckpt.put(f"{d}qkv_proj.{kind}", torch.cat(
+                    ckpt.put(f"{d}qkv_proj.{kind}", cat(
                         [ckpt.take(f"{s}{p}_proj.{kind}") for p in ("q", "k", "v")]))
                     ckpt.copy(f"{s}o_proj.{kind}", f"{d}o_proj.{kind}")
                 for norm in ("q_norm", "k_norm"):
