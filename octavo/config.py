@@ -14,7 +14,8 @@ from typing import Any
 # HF model_type -> the architecture octavo runs it with (octavo/model/models/registry.py maps these
 # to classes); a neutral module cannot import the model package, so the names live here
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "mixtral",
-                         "gemma2", "gemma3_text", "smollm3", "gemma4_text", "qwen3_5_text")
+                         "gemma2", "gemma3_text", "smollm3", "gemma4_text", "qwen3_5_text",
+                         "nemotron_h")
 # what mixes tokens in a layer: attention over the paged KV cache, a recurrent layer with a
 # fixed-size state per sequence (Gated DeltaNet, Mamba-2), or nothing (an MLP-only block)
 LAYER_KINDS = ("attention", "recurrent", "none")
@@ -64,6 +65,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         model_type = d.get("model_type")
+        if "num_hidden_layers" not in d and d.get("layers_block_type"):
+            # Nemotron-H's config counts its layers by their types alone
+            d = {**d, "num_hidden_layers": len(d["layers_block_type"])}
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; octavo runs these model types: "

@@ -12,6 +12,7 @@ from octavo.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from octavo.model.models.gemma4 import Gemma4ForCausalLM
 from octavo.model.models.llama import LlamaForCausalLM
 from octavo.model.models.mixtral import MixtralForCausalLM
+from octavo.model.models.nemotron_h import NemotronHForCausalLM
 from octavo.model.models.phi3 import Phi3ForCausalLM
 from octavo.model.models.qwen2_moe import Qwen2MoeForCausalLM
 from octavo.model.models.qwen3 import Qwen3ForCausalLM
@@ -31,6 +32,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "smollm3": SmolLM3ForCausalLM,  # no RoPE on every fourth layer
     "gemma4_text": Gemma4ForCausalLM,  # later layers share earlier layers' K/V
     "qwen3_5_text": Qwen35ForCausalLM,  # Gated DeltaNet (recurrent state) + full attention
+    "nemotron_h": NemotronHForCausalLM,  # Mamba-2 (recurrent state) + attention + MLP blocks
 }
 assert set(MODELS) == set(SUPPORTED_MODEL_TYPES), "config.SUPPORTED_MODEL_TYPES is out of date"
 
