@@ -27,8 +27,9 @@ from octavo.config import ModelConfig
 from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
 from octavo.model.layers.decoder import RotaryEmbedding
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.linear import PackedLinear
 from octavo.model.layers.recurrent.conv import conv_chunk, conv_decode
-from octavo.model.layers.recurrent.ssd import chunk_ssd, recurrent_ssd
+from octavo.model.layers.recurrent.ssd import chunk_ssd, ssd_decode
 from octavo.model.layers.recurrent.state import StateMetadata, StateShapes
 from octavo.model.layers.weights import Value, cat
 from octavo.model.models.checkpoint import CheckpointLoader
@@ -103,6 +104,7 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GroupGatedRMSNorm(self.inner, self.inner // self.groups, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.inner, config.hidden_size, bias=bias)
+        self.ops: Any = None  # the compiled CPU ops: the decode step in C++
 
     def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The convolution window and the scan state, per sequence."""
@@ -135,10 +137,10 @@ class Mamba2Mixer(nn.Module):
             conv_out, windows = conv_decode(xbc[:nd], conv_states[slots], self.conv_weight,
                                             self.conv_bias, F.silu)
             conv_states[slots] = windows.to(conv_states.dtype)
-            x, b, c = self._split(conv_out)
-            state = ssm_states[slots]
-            out[:nd] = recurrent_ssd(x, dt[:nd], a, b, c, self.D, state)
-            ssm_states[slots] = state
+            x, b, c = conv_out.split([self.inner, *(2 * [self.groups * self.state_size])], -1)
+            b, c = (t.reshape(nd, self.groups, self.state_size) for t in (b, c))
+            out[:nd] = ssd_decode(x.reshape(nd, self.num_heads, self.head_dim), dt[:nd], a, b, c,
+                                  self.D, ssm_states, slots, self.ops)
         for chunk in meta.prefills:
             s, e, slot = chunk.query_start, chunk.query_end, chunk.slot
             fresh = chunk.start_pos == 0
@@ -256,7 +258,13 @@ class NemotronHForCausalLM(LlamaForCausalLM):
         return self.lm_head(self.norm(x[logit_indices])).float()
 
     def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
-        """Nothing of Llama's fused ops applies (no gated MLP, no Llama norms)."""
+        """The Mamba-2 decode step and the packed linears' GEMV; nothing of Llama's fused ops
+        applies (no gated MLP, no Llama norms)."""
+        for module in self.modules():
+            if isinstance(module, Mamba2Mixer):
+                module.ops = ops
+            elif isinstance(module, PackedLinear):
+                module.use_gemv(ops, packed_gemv_rows)
 
     def load_hf_state_dict(self, tensors: Mapping[str, Value]) -> None:
         ckpt = CheckpointLoader(self, tensors)

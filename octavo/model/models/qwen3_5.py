@@ -32,7 +32,7 @@ from octavo.model.layers.decoder import MLP, RotaryEmbedding, apply_rope
 from octavo.model.layers.kv_cache import KVCache
 from octavo.model.layers.linear import PackedLinear
 from octavo.model.layers.recurrent.conv import conv_chunk, conv_decode
-from octavo.model.layers.recurrent.gated_delta import chunk_gated_delta, recurrent_gated_delta
+from octavo.model.layers.recurrent.gated_delta import chunk_gated_delta, gated_delta_decode
 from octavo.model.layers.recurrent.state import StateMetadata, StateShapes
 from octavo.model.layers.weights import Value, cat
 from octavo.model.models.checkpoint import CheckpointLoader
@@ -89,6 +89,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.ops: Any = None  # the compiled CPU ops: the decode step in C++
 
     def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The convolution window and the recurrent state, per sequence."""
@@ -126,9 +127,8 @@ class GatedDeltaNet(nn.Module):
                                             None, F.silu)
             conv_states[slots] = windows.to(conv_states.dtype)
             q, k, v = self._heads(conv_out)
-            state = rec_states[slots]
-            core[:nd] = recurrent_gated_delta(q, k, v, g[:nd], beta[:nd], state)
-            rec_states[slots] = state
+            core[:nd] = gated_delta_decode(q, k, v, g[:nd], beta[:nd], rec_states, slots,
+                                           self.ops)
         for c in meta.prefills:
             s, e, slot = c.query_start, c.query_end, c.slot
             fresh = c.start_pos == 0
@@ -260,10 +260,10 @@ class Qwen35ForCausalLM(LlamaForCausalLM):
         return self.lm_head(self.norm(x[logit_indices])).float()
 
     def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
-        """The MLPs' SiLU-and-mul and the packed linears' GEMV; the norms are zero-centred,
-        not Llama's, and stay in torch."""
+        """The MLPs' SiLU-and-mul, the Gated DeltaNet decode step and the packed linears'
+        GEMV; the norms are zero-centred, not Llama's, and stay in torch."""
         for module in self.modules():
-            if isinstance(module, MLP):
+            if isinstance(module, (MLP, GatedDeltaNet)):
                 module.ops = ops
             elif isinstance(module, PackedLinear):
                 module.use_gemv(ops, packed_gemv_rows)

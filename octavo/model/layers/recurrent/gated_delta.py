@@ -5,10 +5,13 @@ transformers' op order (torch_chunk_gated_delta_rule, torch_recurrent_gated_delt
 
 with q and k L2-normed and q scaled by d_k^-0.5, state S [heads, d_k, d_v] in float32. A
 prefill chunk runs the chunked form (a UT transform per chunk of 64 tokens, then a scan over
-the chunks); decodes run the recurrent step for a batch of sequences at once.
+the chunks); decodes run the recurrent step for a batch of sequences at once, in C++ on CPU
+(csrc/recurrent_step.cpp) where the compiled ops are loaded.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,3 +82,20 @@ def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
     state.copy_(s)
     return (s * q.unsqueeze(-1)).sum(dim=-2).to(dtype)
+
+
+def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                       ops: Any = None) -> torch.Tensor:
+    """One token of B sequences (shapes as recurrent_gated_delta's), each reading and writing
+    its state in place at row `slots[i]` of `states` [num_slots, H, dk, dv]. `ops`: the compiled
+    CPU ops (None, or on another device: torch). Returns the outputs [B, H, dv]."""
+    step = getattr(ops, "gated_delta_step", None)
+    if step is None or states.device.type != "cpu":
+        state = states[slots]
+        out = recurrent_gated_delta(q, k, v, g, beta, state)
+        states[slots] = state
+        return out
+    out = torch.empty(v.shape, dtype=torch.float32)
+    step(*(t.float().contiguous() for t in (q, k, v, g, beta)), states, slots.contiguous(), out)
+    return out.to(v.dtype)

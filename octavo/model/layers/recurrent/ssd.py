@@ -6,10 +6,13 @@ compute it (mamba2_chunk_scan for a chunk of tokens, mamba2_selective_state_upda
 per head, with a scalar decay A < 0, dt = clamp(softplus(dt_raw + dt_bias)) and B, C shared by
 the heads of a group; state S [heads, head_dim, state_size] in float32. A prefill chunk runs the
 chunked form (quadratic within chunks of CHUNK tokens, a scan over the chunks); decodes run the
-recurrent step for a batch of sequences at once.
+recurrent step for a batch of sequences at once, in C++ on CPU (csrc/recurrent_step.cpp) where
+the compiled ops are loaded.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,3 +64,24 @@ def recurrent_ssd(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.T
     state.copy_(s)
     y = (s * c[:, :, None, :]).sum(dim=-1) + x * d[:, None]
     return y.to(x.dtype)
+
+
+def ssd_decode(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               c: torch.Tensor, d: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+               ops: Any = None) -> torch.Tensor:
+    """One token of B sequences: x [B, H, P], dt [B, H], b, c [B, G, N] per group (not yet
+    repeated to the heads); each sequence reads and writes its state in place at row
+    `slots[i]` of `states` [num_slots, H, P, N]. `ops`: the compiled CPU ops (None, or on
+    another device: torch). Returns the outputs [B, H, P]."""
+    step = getattr(ops, "ssd_step", None)
+    if step is None or states.device.type != "cpu":
+        rep = x.shape[1] // b.shape[1]
+        state = states[slots]
+        out = recurrent_ssd(x, dt, a, b.repeat_interleave(rep, dim=1),
+                            c.repeat_interleave(rep, dim=1), d, state)
+        states[slots] = state
+        return out
+    out = torch.empty(x.shape, dtype=torch.float32)
+    step(*(t.float().contiguous() for t in (x, dt, a, b, c, d)), states, slots.contiguous(),
+         out)
+    return out.to(x.dtype)
