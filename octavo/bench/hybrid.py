@@ -79,14 +79,16 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
     contexts = (512, 2048) if opts.quick else CONTEXTS
     rng = random.Random(opts.seed)
     prompts = {n: [rng.randrange(3, 256) for _ in range(n)] for n in contexts}
-    rows, kernel = [], None
+    rows, kernels = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (config_cls, model_cls, extra) in MODELS.items():
             path = build(Path(tmp) / model_cls, config_cls, model_cls, extra)
             llm = make_llm(str(path), overrides=opts.engine_overrides,
                            max_model_len=max(contexts) + decode + 1,
                            enable_prefix_caching=True)
-            kernel = llm.engine.runner.kernel_path()
+            path_info = llm.engine.runner.kernel_path()
+            kernels[name] = {k: path_info.get(k) for k in ("isa", "attention", "fused_ops",
+                                                              "linear", "decode_loop")}
             stats = llm.stats()
             for n in contexts:
                 timed(llm, prompts[n], 2)  # warm-up
@@ -105,7 +107,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
         r["x_short_context"] = r["decode_tok_s"] / base["decode_tok_s"]
     md = [f"fp32, {opts.threads} threads, one sequence, {decode} decoded tokens, median of "
           f"{repeats}; both models {SIZE['num_hidden_layers']} layers of hidden size "
-          f"{SIZE['hidden_size']}. Kernel path: `{kernel}`.", "",
+          f"{SIZE['hidden_size']}. Kernel paths: "
+          + "; ".join(f"{m}: `{k}`" for m, k in kernels.items()) + ".", "",
           md_table(["model", "context", "decode tok/s", f"x at {contexts[0]}",
                     "KV bytes / token", "state bytes / sequence", "runs"],
                    [[r["model"], r["context"], r["decode_tok_s"],
@@ -114,7 +117,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
                     for r in rows], 1)]
     result = BenchResult("hybrid", opts.command,
                          {"size": SIZE, "hybrid": HYBRID, "contexts": list(contexts),
-                          "decode_tokens": decode, "repeats": repeats, "kernel_path": kernel},
+                          "decode_tokens": decode, "repeats": repeats, "kernel_paths": kernels},
                          {"rows": rows}, "\n".join(md), elapsed_s=time.perf_counter() - t0)
     return result, plot
 
