@@ -1,7 +1,7 @@
 """What the hybrid families' tests (recurrent layers beside attention) check beyond
 test_families.py's greedy configurations: n = 4 samples and beam search against transformers,
-swap preemption, prefix-cache hits that restore a state snapshot, and every state slot back in
-the pool at the end."""
+swap preemption, a state pool smaller than the batch, and every state slot back in the pool at
+the end."""
 
 from __future__ import annotations
 
@@ -34,16 +34,6 @@ def check_hybrid(name: str, path: Path, ps: list[list[int]], refs: list[list[int
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
     assert stats["state_cpu_slots_used"] == 0
     return llm
-
-
-def check_state_hits(llm: LLM, ps: list[list[int]], refs: list[list[int]]) -> None:
-    """After a batched run with prefix caching: the same prompts again restore snapshots."""
-    before = llm.stats()
-    again = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == refs
-    after = llm.stats()
-    assert after["state_snapshot_hits"] > before["state_snapshot_hits"]
-    assert after["state_snapshots_saved"] > 0 and after["state_slots_used"] == 0
 
 
 def hf_model(path: Path):

@@ -14,7 +14,6 @@ from tests.model.models.hybrid_checks import (
     HYBRID_CONFIGS,
     check_hybrid,
     check_n4_and_beams,
-    check_state_hits,
 )
 from tests.model.models.test_families import CONFIGS, build_model, check_greedy, hf_greedy, prompts
 
@@ -47,9 +46,9 @@ def test_greedy_equals_transformers(family, config) -> None:
     llm = check_greedy(*family, config)
     stats = llm.stats()
     assert stats["state_slots_used"] == 0 and stats["state_bytes_per_slot"] > 0
-    if config == "batched-bs16-cache":
+    if config == "batched-bs16-cache":  # check_greedy's second, cached run restored states
         assert stats["state_snapshot_hits"] > 0, "the cached run restored no state"
-        check_state_hits(llm, family[2], family[3])
+        assert stats["state_snapshots_saved"] > 0
 
 
 @pytest.mark.parametrize("config", list(HYBRID_CONFIGS))
