@@ -1,7 +1,8 @@
 """Gemma 4 (text), as a tiny random-weight HF model built here, gives HF transformers' greedy
-tokens in fp32 under every engine configuration of test_families.py. Six layers, sliding
-(window 24) and global in turn; the last two compute no K/V but attend to layers 2 and 3's:
-they own no KV pages, so the cache holds four layers per token. With per-layer embeddings,
+tokens in fp32 under every engine configuration of test_families.py, under swap preemption with
+chunked prefill, with n = 4 and beam search (forks share the source layers' pages). Six layers,
+sliding (window 24) and global in turn; the last two compute no K/V but attend to layers 2 and
+3's: they own no KV pages, so the cache holds four layers per token. With per-layer embeddings,
 keys as values on the global layers, double-wide MLPs on the shared layers, proportional RoPE
 and a final soft cap."""
 
@@ -14,6 +15,7 @@ import torch
 
 from octavo.config import ModelConfig
 from tests.conftest import build_byte_tokenizer
+from tests.model.models.hybrid_checks import check_hybrid, check_n4_and_beams
 from tests.model.models.test_families import CONFIGS, check_greedy, hf_greedy, prompts
 
 GEMMA4 = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -59,6 +61,14 @@ def family(tmp_path_factory):
 def test_greedy_equals_transformers(family, config) -> None:
     llm = check_greedy(*family, config)
     assert llm.stats()["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 4  # four layers, fp32
+
+
+def test_swap_preemption_equals_transformers(family) -> None:
+    check_hybrid(*family, "swap-chunked")
+
+
+def test_n4_and_beam_search(family) -> None:
+    check_n4_and_beams(family[1], family[2][5], attn_implementation="eager")
 
 
 def test_shared_layers_own_no_pages(family) -> None:

@@ -1,13 +1,15 @@
 """SmolLM3, as a tiny random-weight HF model built here, gives HF transformers' greedy tokens in
 fp32 under every engine configuration of test_families.py (batched and alone, block sizes
-1 / 16 / 256, prefix caching on and off, preemption with chunked prefill): layers 4 and 8 of
-eight attend without RoPE, which a model that rotated them would get wrong."""
+1 / 16 / 256, prefix caching on and off, preemption with chunked prefill), with n = 4 and beam
+search: layers 4 and 8 of eight attend without RoPE, which a model that rotated them would get
+wrong."""
 
 from __future__ import annotations
 
 import pytest
 
 from octavo.config import ModelConfig
+from tests.model.models.hybrid_checks import check_n4_and_beams
 from tests.model.models.test_families import (
     COMMON,
     CONFIGS,
@@ -36,6 +38,10 @@ def test_greedy_equals_transformers(family, config) -> None:
     llm = check_greedy(*family, config)
     model = llm.engine.runner.model
     assert [layer.self_attn.rope for layer in model.layers] == [True, True, True, False] * 2
+
+
+def test_n4_and_beam_search(family) -> None:
+    check_n4_and_beams(family[1], family[2][5])
 
 
 def test_config_windows_on_nope_layers_only() -> None:
