@@ -71,7 +71,11 @@ def test_layers_and_state(family) -> None:
     assert config.kv_bytes_per_token(4) == 2 * 2 * 2 * 16 * 4
 
 
-def test_speculative_decoding_is_refused(family) -> None:
+def test_what_holds_no_state_is_refused(family, tmp_path) -> None:
     with pytest.raises(ValueError, match="speculative decoding does not run with"):
         LLM(model=str(family[1]),
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="holds no state snapshots"):
+        LLM(model=str(family[1]), kv_offload_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="holds no recurrent state"):
+        LLM(model=str(family[1]), kv_allocator="contiguous")
