@@ -15,7 +15,7 @@ from typing import Any
 # to classes); a neutral module cannot import the model package, so the names live here
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "mixtral",
                          "gemma2", "gemma3_text", "smollm3", "gemma4_text", "qwen3_5_text",
-                         "nemotron_h")
+                         "qwen3_next", "nemotron_h")
 # what mixes tokens in a layer: attention over the paged KV cache, a recurrent layer with a
 # fixed-size state per sequence (Gated DeltaNet, Mamba-2), or nothing (an MLP-only block)
 LAYER_KINDS = ("attention", "recurrent", "none")

@@ -268,6 +268,16 @@ class Qwen35ForCausalLM(LlamaForCausalLM):
             elif isinstance(module, PackedLinear):
                 module.use_gemv(ops, packed_gemv_rows)
 
+    def _load_ffn(self, ckpt: CheckpointLoader, src: str, dst: str) -> None:
+        """A dense MLP, gate and up fused."""
+        ckpt.put(f"{dst}gate_up_proj.weight", cat(
+            [ckpt.take(f"{src}{p}_proj.weight") for p in ("gate", "up")]))
+        ckpt.copy(f"{src}down_proj.weight", f"{dst}down_proj.weight")
+
+    def _in_proj(self, ckpt: CheckpointLoader, src: str, mixer: GatedDeltaNet) -> Value:
+        """The Gated DeltaNet's fused input projection: rows q, k, v, z, b, a."""
+        return cat([ckpt.take(f"{src}in_proj_{p}.weight") for p in ("qkv", "z", "b", "a")])
+
     def load_hf_state_dict(self, tensors: Mapping[str, Value]) -> None:
         ckpt = CheckpointLoader(self, tensors)
         ckpt.copy("model.embed_tokens.weight", "embed_tokens.weight")
@@ -280,13 +290,10 @@ class Qwen35ForCausalLM(LlamaForCausalLM):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 ckpt.copy(f"{src}{norm}.weight", f"{dst}{norm}.weight")
-            ckpt.put(f"{dst}mlp.gate_up_proj.weight", cat(
-                [ckpt.take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]))
-            ckpt.copy(f"{src}mlp.down_proj.weight", f"{dst}mlp.down_proj.weight")
+            self._load_ffn(ckpt, f"{src}mlp.", f"{dst}mlp.")
             if isinstance(layer.mixer, GatedDeltaNet):
                 s, d = src + "linear_attn.", dst + "mixer."
-                ckpt.put(f"{d}in_proj.weight", cat(
-                    [ckpt.take(f"{s}in_proj_{p}.weight") for p in ("qkv", "z", "b", "a")]))
+                ckpt.put(f"{d}in_proj.weight", self._in_proj(ckpt, s, layer.mixer))
                 ckpt.put(f"{d}conv_weight", ckpt.tensor(f"{s}conv1d.weight").squeeze(1))
                 for name in ("dt_bias", "A_log"):
                     ckpt.copy(f"{s}{name}", f"{d}{name}")
