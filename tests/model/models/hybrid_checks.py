@@ -13,6 +13,10 @@ from octavo import LLM, BeamSearchParams, SamplingParams
 from octavo.config import ModelConfig
 from tests.model.models.test_families import GREEDY, MAX_TOKENS
 
+# the KV cache the engines here get unless a configuration names its blocks: the 1 GiB default
+# is millions of blocks for these few-layer models at block size 1, slow to set up
+KV_BYTES = 32 << 20
+
 # the test_families.py configurations, plus swap preemption and a small state pool
 HYBRID_CONFIGS = {
     "swap-chunked": dict(block_size=16, num_kv_blocks=24, max_num_batched_tokens=40,
@@ -27,7 +31,7 @@ def check_hybrid(name: str, path: Path, ps: list[list[int]], refs: list[list[int
     args = dict(HYBRID_CONFIGS[config])
     if "num_kv_blocks" in args:  # the same memory: a hybrid cache's blocks hold fewer layers
         args["num_kv_blocks"] *= ModelConfig.from_dir(path).kv_groups.num_groups
-    llm = LLM(model=str(path), **args)
+    llm = LLM(model=str(path), **{"kv_cache_memory_bytes": KV_BYTES, **args})
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
     for i, out in enumerate(outs):
         assert out.outputs[0].token_ids == refs[i], f"{name} {config}: prompt {i} differs"
@@ -58,7 +62,7 @@ def check_n4_and_beams(path: Path, prompt: list[int], **load: str) -> None:
                                 max_new_tokens=MAX_TOKENS, pad_token_id=0)[0, len(prompt):]
         beams = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4,
                                do_sample=False, max_new_tokens=12, pad_token_id=0)
-    llm = LLM(model=str(path), block_size=16)
+    llm = LLM(model=str(path), block_size=16, kv_cache_memory_bytes=KV_BYTES)
     params = SamplingParams(n=4, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     assert [o.token_ids for o in out.outputs] == [greedy.tolist()] * 4

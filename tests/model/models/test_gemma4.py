@@ -15,7 +15,7 @@ import torch
 
 from octavo.config import ModelConfig
 from tests.conftest import build_byte_tokenizer
-from tests.model.models.hybrid_checks import check_hybrid, check_n4_and_beams
+from tests.model.models.hybrid_checks import KV_BYTES, check_hybrid, check_n4_and_beams
 from tests.model.models.test_families import CONFIGS, check_greedy, hf_greedy, prompts
 
 GEMMA4 = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -59,7 +59,7 @@ def family(tmp_path_factory):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_equals_transformers(family, config) -> None:
-    llm = check_greedy(*family, config)
+    llm = check_greedy(*family, config, kv_cache_memory_bytes=KV_BYTES)
     assert llm.stats()["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 4  # four layers, fp32
 
 

@@ -13,6 +13,7 @@ from octavo import LLM
 from octavo.config import ModelConfig
 from tests.model.models.hybrid_checks import (
     HYBRID_CONFIGS,
+    KV_BYTES,
     check_hybrid,
     check_n4_and_beams,
 )
@@ -45,7 +46,7 @@ def family(tmp_path_factory):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_equals_transformers(family, config) -> None:
-    llm = check_greedy(*family, config)
+    llm = check_greedy(*family, config, kv_cache_memory_bytes=KV_BYTES)
     stats = llm.stats()
     assert stats["state_slots_used"] == 0 and stats["state_bytes_per_slot"] > 0
     if config == "batched-bs16-cache":  # check_greedy's second, cached run restored states

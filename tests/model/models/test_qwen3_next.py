@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from octavo.config import ModelConfig
-from tests.model.models.hybrid_checks import check_hybrid
+from tests.model.models.hybrid_checks import KV_BYTES, check_hybrid
 from tests.model.models.test_families import build_model, check_greedy, hf_greedy, prompts
 
 QWEN3_NEXT = ("Qwen3NextConfig", "Qwen3NextForCausalLM",
@@ -43,7 +43,7 @@ def family(tmp_path_factory):
 
 @pytest.mark.parametrize("config", ["batched-bs16-cache", "preempt-chunked"])
 def test_greedy_equals_transformers(family, config) -> None:
-    llm = check_greedy(*family, config)
+    llm = check_greedy(*family, config, kv_cache_memory_bytes=KV_BYTES)
     if config == "batched-bs16-cache":
         assert llm.stats()["state_snapshot_hits"] > 0
 

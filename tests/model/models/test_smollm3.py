@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from octavo.config import ModelConfig
-from tests.model.models.hybrid_checks import check_n4_and_beams
+from tests.model.models.hybrid_checks import KV_BYTES, check_n4_and_beams
 from tests.model.models.test_families import (
     COMMON,
     CONFIGS,
@@ -35,7 +35,7 @@ def family(tmp_path_factory):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_equals_transformers(family, config) -> None:
-    llm = check_greedy(*family, config)
+    llm = check_greedy(*family, config, kv_cache_memory_bytes=KV_BYTES)
     model = llm.engine.runner.model
     assert [layer.self_attn.rope for layer in model.layers] == [True, True, True, False] * 2
 
