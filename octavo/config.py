@@ -14,7 +14,11 @@ from typing import Any
 # HF model_type -> the architecture octavo runs it with (octavo/model/models/registry.py maps these
 # to classes); a neutral module cannot import the model package, so the names live here
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "mixtral",
-                         "gemma2", "gemma3_text")
+                         "gemma2", "gemma3_text", "smollm3", "gemma4_text", "qwen3_5_text",
+                         "qwen3_next", "nemotron_h")
+# what mixes tokens in a layer: attention over the paged KV cache, a recurrent layer with a
+# fixed-size state per sequence (Gated DeltaNet, Mamba-2), or nothing (an MLP-only block)
+LAYER_KINDS = ("attention", "recurrent", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,11 @@ class ModelConfig:
     sliding_window: int | None = None
     # per layer: the window of a sliding-window layer, None for full attention (HF's layer_types)
     layer_windows: tuple[int | None, ...] = ()
+    # per layer: one of LAYER_KINDS (empty: every layer attends)
+    layer_kinds: tuple[str, ...] = ()
+    # per layer: the layer whose K/V it attends to, itself where it owns KV pages; Gemma 4's
+    # shared-KV layers name an earlier layer and own none (empty: each layer its own)
+    kv_sources: tuple[int, ...] = ()
     hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -56,6 +65,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         model_type = d.get("model_type")
+        if "num_hidden_layers" not in d and d.get("layers_block_type"):
+            # Nemotron-H's config counts its layers by their types alone
+            d = {**d, "num_hidden_layers": len(d["layers_block_type"])}
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; octavo runs these model types: "
@@ -70,6 +82,7 @@ class ModelConfig:
         rope_theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         window = _sliding_window(d)
+        kinds = _layer_kinds(d, model_type)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -80,7 +93,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(d.get("rms_norm_eps", d.get("layer_norm_epsilon", 1e-6))),
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
@@ -94,6 +107,8 @@ class ModelConfig:
             model_type=model_type,
             sliding_window=window,
             layer_windows=_layer_windows(d, model_type, window),
+            layer_kinds=kinds,
+            kv_sources=_kv_sources(d, model_type),
             hf=dict(d),
         )
 
@@ -111,14 +126,20 @@ class ModelConfig:
 
     @property
     def kv_groups(self) -> KVGroups:
-        """Which layers share a block table (one group unless local and global layers mix)."""
-        if not self.layer_windows:
-            return KVGroups.single(self.num_layers, self.sliding_window)
-        return KVGroups.from_layer_windows(self.layer_windows)
+        """Which layers share a block table (one group unless local and global layers mix),
+        and where the recurrent layers' states live."""
+        windows = self.layer_windows or (self.sliding_window,) * self.num_layers
+        return KVGroups.build(windows, self.layer_kinds, self.kv_sources)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that own KV pages: attention layers that do not read another's K/V."""
+        return self.kv_groups.num_kv_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token in every layer (what full attention keeps per token)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """K and V of one token in every layer that owns KV pages (what full attention keeps
+        per token; shared-KV, recurrent and MLP-only layers add nothing)."""
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def kv_bytes_per_slot(self, dtype_bytes: int) -> int:
         """One slot of one KV block: K and V of one token in one group's layers."""
@@ -126,20 +147,80 @@ class ModelConfig:
         return 2 * slots * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+# HF layer_types -> LAYER_KINDS
+_HF_LAYER_KINDS = {"sliding_attention": "attention", "full_attention": "attention",
+                   "attention": "attention", "linear_attention": "recurrent",
+                   "mamba": "recurrent", "mlp": "none", "moe": "none"}
+# Nemotron-H's older hybrid_override_pattern, one character per layer
+_PATTERN_TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def _layer_types(d: dict[str, Any], model_type: str) -> list[str] | None:
+    """HF's names of the layers' types, from whichever key the family keeps them under."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types") or d.get("layers_block_type")
+    if not types and d.get("hybrid_override_pattern"):
+        pattern = d["hybrid_override_pattern"]
+        unknown = set(pattern) - set(_PATTERN_TYPES)
+        if unknown:
+            raise ValueError(f"{model_type}: unknown hybrid_override_pattern characters "
+                             f"{sorted(unknown)}")
+        types = [_PATTERN_TYPES[c] for c in pattern]
+    if not types:
+        return None
+    if len(types) != n:
+        raise ValueError(f"{model_type}: layer_types names {len(types)} layers, the model "
+                         f"has {n}")
+    unknown = set(types) - set(_HF_LAYER_KINDS)
+    if unknown:
+        raise ValueError(f"{model_type}: unsupported layer types {sorted(unknown)}")
+    return list(types)
+
+
+def _layer_kinds(d: dict[str, Any], model_type: str) -> tuple[str, ...]:
+    types = _layer_types(d, model_type)
+    kinds = tuple(_HF_LAYER_KINDS[t] for t in types) if types else ()
+    if kinds and "attention" not in kinds:
+        raise ValueError(f"{model_type}: octavo runs models with at least one attention "
+                         "layer; this one has none")
+    return () if all(k == "attention" for k in kinds) else kinds
+
+
+def _kv_sources(d: dict[str, Any], model_type: str) -> tuple[int, ...]:
+    """Gemma 4: the last `num_kv_shared_layers` layers attend to the K/V of the last earlier
+    layer of their own type (transformers' Gemma4TextConfig.kv_sharing_modes)."""
+    shared = int(d.get("num_kv_shared_layers") or 0) if model_type == "gemma4_text" else 0
+    if not shared:
+        return ()
+    n, types = d["num_hidden_layers"], _layer_types(d, model_type)
+    assert types is not None, "gemma4_text configs name their layer types"
+    first = n - shared
+    if first < 1:
+        raise ValueError(f"{model_type}: num_kv_shared_layers={shared} leaves no layer to "
+                         "compute the K/V they share")
+    sources = list(range(n))
+    for i in range(first, n):
+        owners = [j for j in range(first) if types[j] == types[i]]
+        if not owners:
+            raise ValueError(f"{model_type}: layer {i} ({types[i]}) shares the K/V of an "
+                             "earlier layer of its type, and there is none")
+        sources[i] = owners[-1]
+    return tuple(sources)
+
+
 def _layer_windows(d: dict[str, Any], model_type: str, window: int | None
                    ) -> tuple[int | None, ...]:
     """Which layers attend within the sliding window, by transformers' rules for each family:
-    its `layer_types` when the config names them, else the family's default pattern."""
+    its `layer_types` when the config names them, else the family's default pattern
+    (layers that do not attend read None)."""
     n = d["num_hidden_layers"]
-    types = d.get("layer_types")
+    types = _layer_types(d, model_type)
     if types:
-        if len(types) != n:
-            raise ValueError(f"{model_type}: layer_types names {len(types)} layers, the model "
-                             f"has {n}")
-        unknown = set(types) - {"sliding_attention", "full_attention"}
-        if unknown:
-            raise ValueError(f"{model_type}: unsupported layer types {sorted(unknown)}")
         local = [t == "sliding_attention" for t in types]
+    elif model_type == "smollm3":  # the layers without RoPE, when the window is on
+        nope = [not r for r in d.get("no_rope_layers") or
+                [int((i + 1) % int(d.get("no_rope_layer_interval", 4)) != 0) for i in range(n)]]
+        local = nope
     elif model_type == "gemma2":
         local = [i % 2 == 0 for i in range(n)]
     elif model_type == "gemma3_text":
@@ -275,45 +356,94 @@ class KVGroups:
     Gemma 3 270M (18 layers, every sixth global) becomes one full-attention group and five
     sliding groups of three layers each; a model with one kind of layer (Llama, Mistral) is one
     group of all its layers, which is the plain paged KV cache.
+
+    Two more kinds of layer own no KV pages. A layer that attends to another layer's K/V
+    (Gemma 4's shared-KV layers) takes that layer's group and slot. Recurrent layers (Gated
+    DeltaNet, Mamba-2) keep one fixed-size state per sequence instead of blocks: they form the
+    state group, index `num_groups` (after the attention groups), whose "block table" is the
+    sequence's one state slot; `layer_slot` is then the layer's index among the recurrent
+    layers. An MLP-only layer has group -1.
     """
 
-    windows: tuple[int | None, ...]  # per group: its sliding window, None for full attention
+    windows: tuple[int | None, ...]  # per attention group: its window, None for full attention
     layer_group: tuple[int, ...]  # per layer: its group
-    layer_slot: tuple[int, ...]  # per layer: its slot in the KV tensors
+    layer_slot: tuple[int, ...]  # per layer: its slot in the KV (or state) tensors
     slots_per_group: int
+    num_state_layers: int = 0  # recurrent layers: 0 for a plain transformer
+    num_kv_layers: int = 0  # attention layers that own KV pages
 
     @property
     def num_groups(self) -> int:
+        """Attention groups (the state group, where there is one, comes after them)."""
         return len(self.windows)
 
     @property
     def has_window(self) -> bool:
         return any(w is not None for w in self.windows)
 
+    @property
+    def has_state(self) -> bool:
+        return self.num_state_layers > 0
+
     @classmethod
     def single(cls, num_layers: int, window: int | None = None) -> KVGroups:
-        return cls((window,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+        return cls((window,), (0,) * num_layers, tuple(range(num_layers)), num_layers,
+                   num_kv_layers=num_layers)
 
     @classmethod
     def from_layer_windows(cls, layer_windows: tuple[int | None, ...]) -> KVGroups:
-        """Kinds of layers in order of first appearance; each kind cut into groups of the
-        smallest kind's layer count (the last group of a kind may be smaller: its spare slots
-        are simply unused)."""
-        if not layer_windows:
+        return cls.build(layer_windows)
+
+    @classmethod
+    def build(cls, layer_windows: tuple[int | None, ...], layer_kinds: tuple[str, ...] = (),
+              kv_sources: tuple[int, ...] = ()) -> KVGroups:
+        """Kinds of attention layers in order of first appearance; each kind cut into groups of
+        the smallest kind's layer count (the last group of a kind may be smaller: its spare
+        slots are simply unused). Only layers that own KV pages are counted."""
+        n = len(layer_windows)
+        if not n:
             raise ValueError("a model needs at least one layer")
+        kinds_of = layer_kinds or ("attention",) * n
+        sources = kv_sources or tuple(range(n))
+        if len(kinds_of) != n or len(sources) != n:
+            raise ValueError(f"{n} layer windows, {len(kinds_of)} layer kinds and "
+                             f"{len(sources)} KV sources")
         kinds: dict[int | None, list[int]] = {}
-        for layer, window in enumerate(layer_windows):
-            if window is not None and window < 1:
-                raise ValueError(f"layer {layer}: sliding window {window} must be >= 1")
-            kinds.setdefault(window, []).append(layer)
+        recurrent: list[int] = []
+        for layer, (window, kind) in enumerate(zip(layer_windows, kinds_of, strict=True)):
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"layer {layer}: unknown layer kind {kind!r}")
+            if kind == "recurrent":
+                recurrent.append(layer)
+            elif kind == "attention" and sources[layer] == layer:
+                if window is not None and window < 1:
+                    raise ValueError(f"layer {layer}: sliding window {window} must be >= 1")
+                kinds.setdefault(window, []).append(layer)
+        if not kinds:
+            raise ValueError("a model needs at least one attention layer that owns KV pages")
         size = min(len(layers) for layers in kinds.values())
         windows: list[int | None] = []
-        layer_group = [0] * len(layer_windows)
-        layer_slot = [0] * len(layer_windows)
+        layer_group = [-1] * n
+        layer_slot = [0] * n
         for window, layers in kinds.items():
             for start in range(0, len(layers), size):
                 for slot, layer in enumerate(layers[start : start + size]):
                     layer_group[layer] = len(windows)
                     layer_slot[layer] = slot
                 windows.append(window)
-        return cls(tuple(windows), tuple(layer_group), tuple(layer_slot), size)
+        for slot, layer in enumerate(recurrent):
+            layer_group[layer], layer_slot[layer] = len(windows), slot
+        for layer, source in enumerate(sources):
+            if source != layer:
+                if not 0 <= source < layer or kinds_of[layer] != "attention" or (
+                        layer_group[source] < 0 or sources[source] != source):
+                    raise ValueError(f"layer {layer} reads the K/V of layer {source}, which "
+                                     "is not an earlier attention layer owning its own")
+                if layer_windows[source] != layer_windows[layer]:
+                    raise ValueError(f"layer {layer} attends with window "
+                                     f"{layer_windows[layer]} to the K/V of layer {source}, "
+                                     f"whose window is {layer_windows[source]}")
+                layer_group[layer], layer_slot[layer] = layer_group[source], layer_slot[source]
+        owners = sum(len(layers) for layers in kinds.values())
+        return cls(tuple(windows), tuple(layer_group), tuple(layer_slot), size,
+                   num_state_layers=len(recurrent), num_kv_layers=owners)

@@ -93,6 +93,10 @@ class EngineArgs:
         "4, as vLLM, and at most as many blocks as the device has; else none)",
         check=_at_least(0))
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of identical prompt prefixes")
+    num_state_slots: int | None = _opt(
+        None, "models with recurrent layers: state slots, one per running sequence plus those "
+        "holding prefix-cache snapshots (default: max_num_seqs, twice that with prefix "
+        "caching, within half the KV cache memory)", check=_at_least(1))
     kv_offload_dir: str | None = _opt(
         None, "a directory for the KV tier below the pool: full prefix-cache blocks are "
         "written there in the background, and a prefix the pool no longer holds is loaded back "

@@ -103,6 +103,13 @@ class StepPlan:
     # reused in the same step).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Models with recurrent layers (paging/state_slots.py): state-slot transfers, executed
+    # before the forward in this order, each (kind, source slot, destination slot) with kind
+    # "copy" (device to device), "out" (device to host) or "in" (host to device); and the
+    # snapshots (seq_id, position, slot): during the forward, the sequence's state after
+    # `position` tokens (a block boundary inside its chunk) is also written into `slot`.
+    state_transfers: list[tuple[str, int, int]] = field(default_factory=list)
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     # The KV tier (paging/tier/): blocks whose bytes the runner copies out first of all, before
     # anything this step writes over them (returned in RunnerOutput.saved_blocks, in this
     # order), and (block id, bytes) loaded into fresh blocks after the swaps, before the forward.

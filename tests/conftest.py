@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,12 @@ def tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(autouse=True)
+def _log_rate_limits_start_afresh():
+    """Servers started by tests rate-limit octavo's log lines process-wide; a test that reads
+    the log must not miss a line because an earlier test logged the same one."""
+    connections = sys.modules.get("octavo.server.connections")
+    if connections is not None:
+        connections.reset_log_rate_limits()

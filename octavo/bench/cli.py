@@ -42,6 +42,7 @@ BENCHMARKS = {
     "quant": "octavo.bench.quant",
     "kquant": "octavo.bench.kquant",
     "kv_tier": "octavo.bench.kv_tier",
+    "hybrid": "octavo.bench.hybrid",
 }
 
 

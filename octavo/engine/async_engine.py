@@ -38,6 +38,8 @@ from typing import Any, Protocol, TypeVar
 from octavo.engine.engine import LLMEngine, StepFailed
 from octavo.engine.engine_thread import EngineThread
 from octavo.engine.executor import WorkerDiedError
+from octavo.engine.input_processor import Prepared
+from octavo.engine.structured_output import StructuredOutputs
 from octavo.outputs import RequestOutput, RequestProgress
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
@@ -64,7 +66,16 @@ class RequestAbortedError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A model step failed; every request in flight at that moment fails with this error."""
+    """A model step failed; every request in flight at that moment fails with this error.
+
+    Its text is what a client may see: generic, with the request id to find the log line that
+    says what happened (the cause's own text stays in the log: it can name files, shapes and
+    other requests' state)."""
+
+    def __init__(self, request_id: str | None = None) -> None:
+        where = f" (request {request_id})" if request_id else ""
+        super().__init__(f"the model step failed{where}; the server log has the details")
+        self.request_id = request_id
 
 
 class OutputObserver(Protocol):
@@ -133,6 +144,7 @@ class NewRequest:
     prompt: str | dict
     params: SamplingParams
     priority: int = 0
+    prepared: Prepared | None = None  # its costly fields, made ready off the engine thread
 
 
 @dataclass(slots=True)
@@ -187,6 +199,9 @@ class AsyncLLMEngine:
         self.model_info = ModelInfo(engine.model_dir, engine.max_model_len,
                                     engine.model_config.vocab_size, args.max_num_seqs,
                                     args.scheduling_policy, tuple(cache.items()))
+        # the constraint compiler: thread-safe, so a front end's worker thread compiles a
+        # request's matcher (input_processor.Prepared) and the engine thread never waits on it
+        self.structured: StructuredOutputs = engine.structured
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -327,9 +342,10 @@ class AsyncLLMEngine:
                     self._step()
                 self._publish_stats()
         except BaseException:  # pragma: no cover - a bug in this loop; keep the traceback
-            logger.exception("the engine thread died")
+            logger.exception("the engine thread died; failing every request in flight: %s",
+                              ", ".join(self._streams) or "none")
             self._accepting = False
-            self._fail_all(EngineStepError("the engine thread died"))
+            self._fail_all()
             raise
 
     def _drain(self, block: bool) -> bool:
@@ -354,7 +370,8 @@ class AsyncLLMEngine:
                 if not self._accepting or self.dead is not None:
                     raise RequestAbortedError(self.dead or "the server is shutting down")
                 for r in cmd.requests:
-                    self.engine.add_request(r.request_id, r.prompt, r.params, r.priority)
+                    self.engine.add_request(r.request_id, r.prompt, r.params, r.priority,
+                                            prepared=r.prepared)
                     added.append(r.request_id)
             except Exception as e:  # ValueError/TypeError for bad input: the caller's 400
                 for rid in added:
@@ -369,7 +386,7 @@ class AsyncLLMEngine:
             self._forget(cmd.request_id)
             self.engine.abort_request(cmd.request_id)
         elif isinstance(cmd, _AbortAll):
-            self._fail_all(cmd.error)
+            self._fail_all(lambda _: cmd.error)
         elif isinstance(cmd, _Call):
             try:
                 result = cmd.fn(self.engine)
@@ -383,24 +400,25 @@ class AsyncLLMEngine:
             outputs = self.engine.step()
         except StepFailed as e:
             if isinstance(e.__cause__, WorkerDiedError):  # nothing can run any more: fail all
-                logger.error("engine is dead: %s; failing every request", e.__cause__)
-                self._fail_all(EngineStepError(f"engine step failed: {e.__cause__}"))
+                logger.error("engine is dead: %s; failing every request: %s", e.__cause__,
+                             ", ".join(self._streams) or "none")
+                self._fail_all()
                 return
             # only the requests of that step fail; the others, waiting, go on
-            logger.error("engine step failed (%s); failing its %d requests", e.__cause__,
-                         len(e.request_ids), exc_info=e.__cause__)
-            error = EngineStepError(str(e))
+            logger.error("engine step failed (%s); failing its %d requests: %s", e.__cause__,
+                         len(e.request_ids), ", ".join(e.request_ids), exc_info=e.__cause__)
             failed = [(rid, self._streams.get(rid)) for rid in e.request_ids]
             for rid, _ in failed:
                 self._forget(rid)
                 self.engine.abort_request(rid)
-            batch = [(s, error) for _, s in failed if s is not None]
+            batch = [(s, EngineStepError(rid)) for rid, s in failed if s is not None]
             if batch:
                 self._call_soon(_deliver, batch)
             return
-        except Exception as e:
-            logger.exception("engine step failed; failing the requests in flight")
-            self._fail_all(EngineStepError(f"engine step failed: {e}"))
+        except Exception:
+            logger.exception("engine step failed; failing the requests in flight: %s",
+                             ", ".join(self._streams) or "none")
+            self._fail_all()
             return
         if self.observer is not None:
             try:
@@ -428,13 +446,14 @@ class AsyncLLMEngine:
         if batch:
             self._call_soon(_deliver, batch)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error_of: Callable[[str], BaseException] = EngineStepError) -> None:
+        """Fail every request in flight, each with `error_of(its id)`."""
         streams = list(self._streams.items())
         for rid, _ in streams:
             self._forget(rid)
             self.engine.abort_request(rid)
         if streams:
-            self._call_soon(_deliver, [(s, error) for _, s in streams])
+            self._call_soon(_deliver, [(s, error_of(rid)) for rid, s in streams])
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -20,7 +20,7 @@ import weakref
 
 from octavo.config import ModelConfig
 from octavo.engine.executor import Executor, make_executor
-from octavo.engine.input_processor import InputProcessor, load_tokenizer
+from octavo.engine.input_processor import InputProcessor, Prepared, load_tokenizer
 from octavo.engine.kv_map import KVMapper
 from octavo.engine.kv_sizing import check_max_model_len, make_kv_manager, resolve_max_model_len
 from octavo.engine.kv_tier_setup import fingerprint, open_tier
@@ -61,16 +61,18 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(args, self.model_config, blocks.num_blocks)
         self.executor.init_kv_cache(blocks.num_blocks, blocks.num_host_blocks)
         path = self.executor.kernel_path()
-        # the weights in memory (per rank under TP) and what quantization saved
+        # the weights in memory (per rank under TP), what quantization saved, and the KV
+        # cache's bytes per token
         self.weight_stats = {k: path.get(k, 0) for k in ("weights_bytes",
-                                                         "quantization_saved_bytes")}
+                                                         "quantization_saved_bytes",
+                                                         "kv_bytes_per_token",
+                                                         "state_bytes_per_slot")}
         self.tier = None
         if args.kv_offload_dir is not None or args.kv_offload_url is not None:
             fp = fingerprint(args, self.model_dir, self.model_config, path["dtype"],
                              self.executor.kv_block_format())
             self.tier = open_tier(args, fp)
-        self.kv = make_kv_manager(args, blocks.num_blocks, blocks.num_host_blocks,
-                                  self.max_model_len, self.model_config, self.tier)
+        self.kv = make_kv_manager(args, blocks, self.max_model_len, self.model_config, self.tier)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         if self.executor.drafter is not None:
             self.scheduler.set_draft_token_share(self.executor.drafter.share)
@@ -98,12 +100,14 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         beam_params: BeamSearchParams | None = None,
+        prepared: Prepared | None = None,
     ) -> Request:
+        """`prepared`: the request's costly fields, made ready off this thread (a server's)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self.input_processor.process(
             request_id, prompt, params, priority=priority, arrival_time=arrival_time,
-            beam_params=beam_params,
+            beam_params=beam_params, prepared=prepared,
         )
         self.requests[request_id] = request
         self.output_processor.add_request(request)

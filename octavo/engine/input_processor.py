@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,17 @@ def eos_token_id(tokenizer: Any, model: ModelConfig) -> int | None:
     if tokenizer.eos_token_id is not None:
         return tokenizer.eos_token_id
     return model.eos_token_ids[0] if model.eos_token_ids else None
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request's costly fields made ready off the engine thread (a server's worker does it
+    with its own tokenizer, server/request_budget.py): its bad_words as token ids, and a grammar
+    matcher at the start of its constraint (each request takes a copy). What is None here is
+    done by `process` itself."""
+
+    bad_words_token_ids: list[list[int]] | None = None
+    matcher: Any = None
 
 
 class InputProcessor:
@@ -64,6 +76,7 @@ class InputProcessor:
         priority: int = 0,
         arrival_time: float | None = None,
         beam_params: BeamSearchParams | None = None,
+        prepared: Prepared | None = None,
     ) -> Request:
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
@@ -84,8 +97,10 @@ class InputProcessor:
                     raise ValueError(f"{name} token id {bad[0]} is out of range "
                                      f"[0, {self.vocab_size})")
             if params.bad_words:
-                params.bad_words_token_ids = bad_words_token_ids(self.tokenizer,
-                                                                 params.bad_words)
+                params.bad_words_token_ids = (
+                    prepared.bad_words_token_ids
+                    if prepared is not None and prepared.bad_words_token_ids is not None
+                    else bad_words_token_ids(self.tokenizer, params.bad_words))
             if params.thinking_token_budget is not None:
                 for name, marker in (("think_start_token_ids", THINK_START),
                                      ("think_end_token_ids", THINK_END)):
@@ -104,7 +119,9 @@ class InputProcessor:
             hasher=self.hasher,
         )
         if params.structured_outputs is not None:
-            request.seqs[0].grammar = self.structured.matcher(params.structured_outputs)
+            request.seqs[0].grammar = (
+                prepared.matcher.deep_copy() if prepared is not None and prepared.matcher
+                is not None else self.structured.matcher(params.structured_outputs))
         if arrival_time is not None:
             request.arrival_time = arrival_time
         if beam_params is not None:

@@ -182,6 +182,7 @@ class Scheduler:
         ):
             self._admit_waiting(plan, budget)
         plan.block_copies = self.kv.take_block_copies()
+        plan.state_transfers, plan.state_snapshots = self.kv.take_state_ops()
         plan.tier_saves, plan.tier_loads = self.kv.take_tier_io()
         plan.swap_out, self._swap_out = self._swap_out, []
         plan.finished_seq_ids, self._dropped = self._dropped, []
@@ -233,7 +234,7 @@ class Scheduler:
             if new is None:
                 new = self.kv.allocate_slots(seq, n)
             while new is None and self.running[-1] is not request:
-                self._preempt(self.running[-1])
+                self._preempt(self.running[-1], plan=plan)
                 new = self.kv.allocate_slots(seq, n)
             if new is None:
                 # Nothing ranks below it. Its sequences (n samples, beams) need not all advance
@@ -241,7 +242,7 @@ class Scheduler:
                 # even one fits is it preempted; alone, by recompute, which re-admits one
                 # sequence at a time, so it always makes progress.
                 if not slots:
-                    self._preempt(request, recompute=len(self.running) == 1)
+                    self._preempt(request, recompute=len(self.running) == 1, plan=plan)
                 break
             slots.append((seq, start, n, new))
         for slot in slots:
@@ -285,7 +286,7 @@ class Scheduler:
             tail = self.running[-1]
             if self._key(tail) <= self._key(head):
                 break
-            self._preempt(tail)
+            self._preempt(tail, plan=plan)
             preempted += 1
             if tail is request:
                 break
@@ -424,7 +425,14 @@ class Scheduler:
                 if block_ids:
                     plan.group_table_updates.append((seq.seq_id, group, start, block_ids))
 
-    def _preempt(self, victim: Request, recompute: bool = False) -> None:
+    def _preempt(self, victim: Request, recompute: bool = False,
+                 plan: StepPlan | None = None) -> None:
+        """Take `victim`'s blocks back: swap them out, or free them to be recomputed. A victim
+        already in this step's `plan` (a decode scheduled before a higher-ranked prompt ran out
+        of blocks) is taken out of it again, and is recomputed: its slots were counted as
+        computed for a chunk that now does not run."""
+        if plan is not None and self._take_back(victim, plan):
+            recompute = True
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -442,6 +450,18 @@ class Scheduler:
             self.kv.free(seq.seq_id)
         victim.status = RequestStatus.WAITING
         bisect.insort(self.waiting, victim, key=self._key)
+
+    def _take_back(self, request: Request, plan: StepPlan) -> bool:
+        """Remove a request's sequences from `plan`; whether it had chunks there."""
+        ids = {seq.seq_id for seq in request.seqs}
+        chunks = [c for c in plan.chunks if c.seq_id in ids]
+        for chunk in chunks:  # registered in the prefix cache, never computed
+            self.kv.uncache_from(chunk.seq_id, chunk.start_pos)
+        plan.chunks = [c for c in plan.chunks if c.seq_id not in ids]
+        plan.new_seqs = [s for s in plan.new_seqs if s.seq_id not in ids]
+        plan.block_table_updates = [u for u in plan.block_table_updates if u[0] not in ids]
+        plan.group_table_updates = [u for u in plan.group_table_updates if u[0] not in ids]
+        return bool(chunks)
 
     def _give_up(self, request: Request) -> None:
         """Finish a request that cannot fit the KV cache even alone; reported next update."""
@@ -479,6 +499,8 @@ class Scheduler:
                 u = updates[request.request_id] = RequestUpdate(request)
             return u
 
+        for chunk in plan.chunks:  # what the step computed may now be found (state snapshots)
+            self.kv.commit_step(chunk.seq_id)
         for request in self._ignored:
             update(request)
         self._ignored.clear()

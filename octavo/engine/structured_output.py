@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,19 @@ COMPACT_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",",
 
 class GrammarError(ValueError):
     """A constraint that cannot be compiled; the message names the problem."""
+
+
+MAX_ERROR_CHARS = 400
+
+
+def error_text(message: str) -> str:
+    """llguidance's message as a client may see it: on one line, short, never the Rust
+    backtrace a panic's text carries."""
+    for marker in ("<backtrace>", "stack backtrace:"):
+        message = message.split(marker, 1)[0]
+    text = " / ".join(line.strip() for line in message.splitlines() if line.strip())
+    text = text or "the grammar compiler failed"
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 
 def json_schema_of(spec: StructuredOutputsParams) -> dict[str, Any]:
@@ -103,6 +118,23 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(grammar)
 
 
+@contextmanager
+def rust_panics_as_errors() -> Iterator[None]:
+    """A panic inside llguidance (pyo3's PanicException, a BaseException) as a GrammarError;
+    GrammarErrors and ValueErrors with their text cut to its first line."""
+    try:
+        yield
+    except GrammarError as e:
+        raise GrammarError(error_text(str(e))) from None
+    except ValueError as e:  # llguidance's own (a regex or grammar it cannot parse)
+        raise GrammarError(f"structured outputs: {error_text(str(e))}") from None
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise GrammarError("structured outputs: the grammar compiler failed on this "
+                           f"constraint: {error_text(str(e))}") from None
+
+
 def spec_key(spec: StructuredOutputsParams) -> str:
     fields = {k: v for k, v in vars(spec).items() if k != "disable_fallback"}
     return json.dumps(fields, sort_keys=True, ensure_ascii=False)
@@ -118,6 +150,8 @@ class StructuredOutputs:
         self._tokenizer: Any = None  # llguidance's, built on first use (~0.3 s)
         self._tokenizer_lock = threading.Lock()
         self._grammars: OrderedDict[str, str] = OrderedDict()
+        # compile() and matcher() also run on a server's worker thread, beside the engine's
+        self._grammars_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._executor: Any = None
 
@@ -137,29 +171,34 @@ class StructuredOutputs:
         import llguidance
 
         key = spec_key(spec)
-        grammar = self._grammars.get(key)
-        if grammar is not None:
-            self._grammars.move_to_end(key)
-            return grammar
-        grammar = grammar_source(spec)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer)
+        with self._grammars_lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                return grammar
+        with rust_panics_as_errors():
+            grammar = grammar_source(spec)
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self.tokenizer)
         if is_error:
-            detail = messages[0].strip() if messages else "unknown error"
+            detail = error_text(messages[0]) if messages else "unknown error"
             raise GrammarError(f"structured outputs: the {spec.kind} constraint cannot be "
                                f"compiled: {detail}")
-        self._grammars[key] = grammar
-        if len(self._grammars) > GRAMMAR_CACHE_SIZE:
-            self._grammars.popitem(last=False)
+        with self._grammars_lock:
+            self._grammars[key] = grammar
+            if len(self._grammars) > GRAMMAR_CACHE_SIZE:
+                self._grammars.popitem(last=False)
         return grammar
 
     def matcher(self, spec: StructuredOutputsParams) -> Any:
         """A fresh matcher (llguidance.LLMatcher) at the start of the constraint."""
         import llguidance
 
-        m = llguidance.LLMatcher(self.tokenizer, self.compile(spec), log_level=0)
+        grammar = self.compile(spec)
+        with rust_panics_as_errors():
+            m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
-            raise GrammarError(f"structured outputs: {m.get_error()}")
+            raise GrammarError(f"structured outputs: {error_text(m.get_error())}")
         return m
 
     # ---- steps ------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ class CachedPrefix:
     # sliding-window group no longer needs (it lies wholly before the window)
     blocks: tuple[tuple[Any, ...], ...]
     num_tokens: int
+    # recurrent layers: the state snapshot at the end of the prefix (state_slots.py)
+    state: Any = None
 
 
 EMPTY_PREFIX = CachedPrefix(((),), 0)  # no hit, in a KV cache of one group
@@ -34,7 +36,8 @@ class NewBlocks:
     start: int
     block_ids: list[int]
     # groups 1, 2, ... of a hybrid KV cache (local and global layers), each (start, block ids)
-    # like group 0's above; empty for a model with one kind of attention
+    # like group 0's above; empty for a model with one kind of attention. A model with
+    # recurrent layers has the state group last: its "table" is the one state slot
     other_groups: tuple[tuple[int, list[int]], ...] = ()
 
 
@@ -66,6 +69,10 @@ class KVAllocator(Protocol):
 
     def take_block_copies(self) -> list[tuple[int, int]]: ...
 
+    def take_state_ops(self) -> tuple[list[tuple[str, int, int]], list[tuple[int, int, int]]]:
+        ...
+
+    def commit_step(self, seq_id: int) -> None: ...
     def take_tier_io(self) -> tuple[list[int], list[tuple[int, memoryview]]]: ...
 
     def tier_io_done(self, saved: Sequence[bytes]) -> None: ...

@@ -1,7 +1,7 @@
 """What a KV cache manager holds, reported and checked: its stats (waste.py's slot accounting)
 and its invariants (ref counts match the block tables, fill counts match the computed tokens,
-cached blocks sit at their hash's position). Functions over the manager's public state
-(`KVState`), so they need nothing of its implementation.
+cached blocks sit at their hash's position; the state slots' own, state_slots.py). Functions
+over the manager's public state (`KVState`), so they need nothing of its implementation.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from octavo.paging.block_pool import BlockPool, KVBlock
 from octavo.paging.group_windows import GroupWindows
 from octavo.paging.prefix_cache import PrefixCache
 from octavo.paging.seq_blocks import SeqBlocks, cdiv
+from octavo.paging.state_slots import StateSlots
 from octavo.paging.tier.kv_tier import KVTier
 from octavo.paging.waste import check_slot_sum, paged_slot_stats
 
@@ -24,6 +25,7 @@ class KVState(Protocol):
     block_pool: BlockPool
     prefix_cache: PrefixCache
     blocks_freed_out_of_window: int
+    state: StateSlots | None
     tier: KVTier | None
 
     @property
@@ -95,6 +97,7 @@ def kv_stats(kv: KVState) -> dict[str, int | float]:
         "peak_kv_blocks_used": pool.peak_used_blocks,
         "kv_cpu_blocks_total": kv.cpu_pool.num_blocks,
         "kv_cpu_blocks_used": kv.cpu_pool.num_used_blocks,
+        **(kv.state.stats() if kv.state is not None else {}),
         **(kv.tier.stats() if kv.tier is not None else {}),
     }
 
@@ -148,4 +151,6 @@ def check_invariants(kv: KVState) -> None:
             )
     kv.block_pool.check_states()
     kv.cpu_pool.check_states()
+    if kv.state is not None:
+        kv.state.check_invariants(list(kv.seqs.values()))
     check_slot_sum(kv_stats(kv), kv.num_blocks * bs)

@@ -11,6 +11,11 @@ new sequence's cached prefix (a pure query), then one `allocate_slots(seq, n, ca
 gives `n` more tokens their slots and returns the block ids that changed, or returns None and
 changes nothing. There is no separate "can I?" question to go stale before the "do it".
 
+A model with recurrent layers also gets a state slot per sequence from a pool beside the block
+pool (state_slots.py): one more KV cache group, last, whose table is that one slot. Its
+transfers and snapshots are taken with `take_state_ops`, and `commit_step` after each step
+makes the step's snapshots findable.
+
 Slots are counted as computed when handed out (`seq.num_computed_tokens` moves here and only
 here), because the runner writes them in the same step. Copies are only recorded; the runner
 moves the KV tensors: the KV tier's saves first (blocks let go of since the last step, whose
@@ -25,6 +30,7 @@ flattened batch does this per layer).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 
 from octavo.paging.allocator import CachedPrefix, NewBlocks
@@ -34,6 +40,7 @@ from octavo.paging.kv_audit import check_invariants, kv_stats
 from octavo.paging.kv_seq import KVSeq
 from octavo.paging.prefix_cache import PrefixCache
 from octavo.paging.seq_blocks import SeqBlocks, cdiv
+from octavo.paging.state_slots import StateSlots
 from octavo.paging.swap_space import SwapSpace
 from octavo.paging.tier.kv_tier import KVTier, TierBlock
 
@@ -63,6 +70,8 @@ class KVCacheManager:
         num_cpu_blocks: int = 0,
         windows: Sequence[int | None] = (None,),
         tier: KVTier | None = None,
+        num_state_slots: int = 0,
+        num_cpu_state_slots: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -79,10 +88,17 @@ class KVCacheManager:
         self.prefix_cache = PrefixCache(self.block_pool, self.groups, enable_prefix_caching)
         self.swap_space = SwapSpace(num_cpu_blocks, self.block_pool, self.prefix_cache,
                                     self.groups)
+        # recurrent layers' states (None: a model without them)
+        self.state = (StateSlots(num_state_slots, num_cpu_state_slots, block_size,
+                                 self.groups.anchor, enable_prefix_caching)
+                      if num_state_slots else None)
         self._seqs: dict[int, SeqBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.blocks_freed_out_of_window = 0
         self.tier = tier if enable_prefix_caching else None
+        if self.tier is not None and self.state is not None:
+            raise ValueError("the KV tier holds no recurrent state snapshots: a model with "
+                             "recurrent layers runs without kv_offload_dir/kv_offload_url")
         if self.tier is not None:
             self.prefix_cache.tier = self.tier
             self.block_pool.tier_offer = self.tier.offer
@@ -133,8 +149,20 @@ class KVCacheManager:
     # -- prefix cache ---------------------------------------------------------------------------
     def get_computed_blocks(self, seq: KVSeq) -> CachedPrefix:
         """A new sequence's cached prefix (prefix_cache.py's lookup): a pure query, no
-        references taken, no stats counted."""
-        return self.prefix_cache.lookup(seq)
+        references taken, no stats counted. With recurrent layers it ends where a state
+        snapshot was saved, and carries it."""
+        cached = self.prefix_cache.lookup(seq)
+        if self.state is None or not cached.num_tokens:
+            return cached
+        anchor = self.groups.anchor
+        while cached.num_tokens:
+            n, snapshot = self.state.lookup(seq, cached.blocks[anchor] if anchor is not None
+                                            else ())
+            if n == len(cached.blocks[0]):
+                return replace(cached, state=snapshot)
+            # shorter: a sliding group may need other blocks for it, so look it up again
+            cached = self.prefix_cache.lookup(seq, max_blocks=n)
+        return cached
 
     # -- allocation -----------------------------------------------------------------------------
     def allocate_slots(
@@ -163,6 +191,9 @@ class KVCacheManager:
         state = self._seqs.get(seq.seq_id)
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+        if num_lookahead_tokens and self.state is not None:
+            raise ValueError("lookahead slots (speculative decoding) cannot hold a recurrent "
+                             "state: a model with recurrent layers does not speculate")
         if state is None:
             if num_lookahead_tokens:
                 raise ValueError(f"sequence {seq.seq_id}: lookahead slots need KV blocks "
@@ -202,10 +233,14 @@ class KVCacheManager:
             del table[keep:]
             self.block_pool.free(blk for blk in reversed(tail) if blk is not None)
 
-    def _new_blocks(self, state: SeqBlocks, starts: list[int]) -> NewBlocks:
+    def _new_blocks(self, state: SeqBlocks, starts: list[int],
+                    state_changed: bool = False) -> NewBlocks:
         null = self.null_block_id
         tables = [(start, [null if blk is None else blk.block_id for blk in table[start:]])
                   for start, table in zip(starts, state.blocks, strict=True)]
+        if self.state is not None:  # the state group: its one slot, when it changed
+            assert state.state is not None
+            tables.append((0, [state.state.block_id]) if state_changed else (1, []))
         return NewBlocks(*tables[0], other_groups=tuple(tables[1:]))
 
     def _start(
@@ -222,6 +257,9 @@ class KVCacheManager:
                 if len(cached.blocks) != self.num_groups:
                     raise ValueError(f"a cached prefix of {len(cached.blocks)} groups for a KV "
                                      f"cache of {self.num_groups}")
+                if self.state is not None and cached.state is None:
+                    raise ValueError("a cached prefix without its state snapshot, for a model "
+                                     "with recurrent layers (get_computed_blocks gives both)")
                 hits = [list(blocks) for blocks in cached.blocks]
             else:
                 hits = [[] for _ in groups]
@@ -236,6 +274,8 @@ class KVCacheManager:
             fresh = cdiv(end, bs) - len(hits[0])
             if (sum(blk.ref_cnt == 0 for blk in live) + fresh * self.num_groups
                     + len(from_tier) > pool.num_free_blocks):
+                return None
+            if self.state is not None and not self.state.pool.num_free_blocks:
                 return None
             payloads = self._read_tier(seq, hits, from_tier)
             if payloads is not None:
@@ -253,12 +293,15 @@ class KVCacheManager:
         self._seqs[seq.seq_id] = state
         if from_tier:
             self._register_loaded(state, from_tier, payloads)
+        if self.state is not None:
+            self.state.start(state, cached.state if cached is not None and num_cached else None)
         seq.num_computed_tokens = num_cached
         self._fill(state, end)
         self.prefix_cache.register_full_blocks(state)
+        self._snapshot(state, num_cached, end)
         if self.enable_prefix_caching and cached is not None:
             self.prefix_cache.count_hit(seq, num_cached)
-        return self._new_blocks(state, [0] * self.num_groups)
+        return self._new_blocks(state, [0] * self.num_groups, state_changed=True)
 
     def _read_tier(self, seq: KVSeq, hits: list[list], from_tier: list[tuple[int, int]]
                    ) -> list[memoryview] | None:
@@ -307,6 +350,10 @@ class KVCacheManager:
         grow = max(0, cdiv(end + lookahead, bs) - len(state.blocks[0]))
         if grow * self.num_groups + sum(copies) > pool.num_free_blocks:
             return None
+        writes_state = self.state is not None and num_new_tokens > 0
+        if writes_state and self.state.needs_copy(state) and not self.state.pool.num_free_blocks:
+            return None
+        start_pos = seq.num_computed_tokens
         starts = []
         for g, table in enumerate(state.blocks):
             start = len(table)
@@ -322,10 +369,40 @@ class KVCacheManager:
             for _ in range(grow):
                 table.append(pool.get_new_block())
             starts.append(start)
+        state_changed = writes_state and self.state.write(state)
         self._fill(state, end)
         state.lookahead = lookahead
         self.prefix_cache.register_full_blocks(state)
-        return self._new_blocks(state, starts)
+        if writes_state:
+            self._snapshot(state, start_pos, end)
+        return self._new_blocks(state, starts, state_changed)
+
+    # -- recurrent state ------------------------------------------------------------------------
+    def _snapshot(self, state: SeqBlocks, start: int, end: int) -> None:
+        if self.state is None or self.groups.anchor is None:
+            return
+        keys = state.chain_keys[self.groups.anchor]
+
+        def find(seq: KVSeq, num_blocks: int):
+            key = keys[num_blocks - 1] if num_blocks <= len(keys) else None
+            return None if key is None else self.state.find(seq, num_blocks, key)
+
+        self.state.snapshot(state, start, end, find)
+
+    def commit_step(self, seq_id: int) -> None:
+        """The step that computed this sequence's chunk ran: the state snapshots it took can
+        now be found (the scheduler calls this after every step, for every chunk)."""
+        state = self._seqs.get(seq_id)
+        if self.state is None or state is None or state.swapped or self.groups.anchor is None:
+            return
+        keys = state.chain_keys[self.groups.anchor]
+        self.state.commit(state, lambda i: keys[i] if i < len(keys) else None,
+                          lambda i: self.prefix_cache.block_tokens(state.seq, i))
+
+    def take_state_ops(self) -> tuple[list[tuple[str, int, int]], list[tuple[int, int, int]]]:
+        """The state transfers (in the order the runner must run them, before the forward
+        pass) and snapshots recorded since the last call, handed over once."""
+        return self.state.take() if self.state is not None else ([], [])
 
     def _checked_end(self, seq: KVSeq, start: int, num_new_tokens: int) -> int:
         end = start + num_new_tokens
@@ -371,9 +448,11 @@ class KVCacheManager:
             for blk in table:
                 if blk is not None:
                     self.block_pool.touch(blk)
-        self._seqs[child.seq_id] = SeqBlocks(child, [list(t) for t in parent.blocks],
-                                        [list(k) for k in parent.chain_keys],
-                                        trimmed=list(parent.trimmed))
+        state = SeqBlocks(child, [list(t) for t in parent.blocks],
+                          [list(k) for k in parent.chain_keys], trimmed=list(parent.trimmed))
+        if self.state is not None:
+            self.state.fork(parent, state)
+        self._seqs[child.seq_id] = state
 
     def free(self, seq_id: int) -> None:
         """Drop a sequence in any state; its computed-token count goes back to 0. Unknown ids are
@@ -387,6 +466,8 @@ class KVCacheManager:
         pool = self.cpu_pool if state.swapped else self.block_pool
         for table in state.blocks:
             pool.free(blk for blk in reversed(table) if blk is not None)
+        if self.state is not None:
+            self.state.free(state)
         state.seq.num_computed_tokens = 0
 
     def _cancel_loads(self, state: SeqBlocks) -> None:
@@ -413,6 +494,8 @@ class KVCacheManager:
                 if blk is not None and blk.ref_cnt == 1:  # shared: computed by someone else
                     self.block_pool.uncache(blk)
             del keys[keep:]
+        if self.state is not None:
+            self.state.drop_pending(state)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies (src, dst), handed over once."""
@@ -453,9 +536,15 @@ class KVCacheManager:
         return self.block_tables(seq_id)[0]
 
     def block_tables(self, seq_id: int) -> list[list[int]]:
+        """Every group's table; with recurrent layers the state group's last: [its slot]."""
         null = self.null_block_id
-        return [[null if blk is None else blk.block_id for blk in table]
-                for table in self._on_gpu(seq_id).blocks]
+        state = self._on_gpu(seq_id)
+        tables = [[null if blk is None else blk.block_id for blk in table]
+                  for table in state.blocks]
+        if self.state is not None:
+            assert state.state is not None
+            tables.append([state.state.block_id])
+        return tables
 
     def held_tables(self, seq_id: int) -> tuple[bool, list[list[int]]] | None:
         """(swapped, block tables) of a sequence holding blocks, else None: device block ids,
@@ -501,12 +590,23 @@ class KVCacheManager:
                                  "them first")
         for state in states:
             self.free_out_of_window(state.seq.seq_id)  # nothing to carry that nobody reads
-        return self.swap_space.swap_out(states)
+        if self.state is not None and not self.state.can_swap(states, out=True):
+            return None
+        copies = self.swap_space.swap_out(states)
+        if copies is not None and self.state is not None:
+            self.state.swap(states, out=True)
+        return copies
 
     def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
         """Bring a swapped group back and return the (host block, device block) copies, or
         None (nothing moves) when the free device blocks do not suffice."""
-        return self.swap_space.swap_in(self._group(seq_ids, swapped=True))
+        states = self._group(seq_ids, swapped=True)
+        if self.state is not None and not self.state.can_swap(states, out=False):
+            return None
+        copies = self.swap_space.swap_in(states)
+        if copies is not None and self.state is not None:
+            self.state.swap(states, out=False)
+        return copies
 
     # -- helpers --------------------------------------------------------------------------------
     def _get(self, seq_id: int) -> SeqBlocks:

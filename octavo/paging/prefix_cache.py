@@ -100,15 +100,18 @@ class PrefixCache:
         return state.chain_keys[anchor][i]
 
     # -- finding --------------------------------------------------------------------------------
-    def lookup(self, seq: KVSeq) -> CachedPrefix:
+    def lookup(self, seq: KVSeq, max_blocks: int | None = None) -> CachedPrefix:
         """Cached blocks covering the longest full-block prefix of a new sequence that every
-        group can resume from, leaving at least one token to compute. A full-attention group
-        needs every block of the prefix, a sliding group only those its window still sees."""
+        group can resume from, leaving at least one token to compute (and at most
+        `max_blocks` blocks long). A full-attention group needs every block of the prefix, a
+        sliding group only those its window still sees."""
         if not self.enabled:
             return self._no_hit
         self._tier_seen.clear()
         windows = self.groups.windows
         n = min((len(seq.token_ids) - 1) // self.block_size, len(seq.block_hashes))
+        if max_blocks is not None:
+            n = min(n, max_blocks)
         found: list[list[Hit | None]] = [[] for _ in windows]
         while True:  # each group may shorten the hit; stop when none does
             before = n

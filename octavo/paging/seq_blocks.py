@@ -1,4 +1,5 @@
-"""What the KV cache manager keeps of one sequence: its block tables and cache chain keys."""
+"""What the KV cache manager keeps of one sequence: its block tables and cache chain keys, and
+for a model with recurrent layers its state slot (state_slots.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ class SeqBlocks:
     # slots handed out past the known tokens for draft tokens (speculative decoding), until
     # accept_lookahead says how many of them the step's verification kept
     lookahead: int = 0
+    # recurrent layers: the slot holding the state after the computed tokens (a host slot
+    # while swapped out), and the snapshots this step takes, (block boundary, slot), until
+    # the step ran
+    state: KVBlock | None = None
+    state_pending: list[tuple[int, KVBlock]] = field(default_factory=list)
 
 
 def cdiv(a: int, b: int) -> int:

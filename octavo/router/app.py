@@ -10,6 +10,11 @@
   /v1/responses/{id}: the replica that holds it.
 - GET /health (200 while a replica is healthy, else 503; each replica's state in the body) and
   GET /metrics (metrics.py) are the router's own.
+
+The front door is the server's (server/front_door.py: API key, body limits, in-flight limit,
+Host check; connections.py: header timeout, connection cap), and so are the prompt bounds
+(prompts.py): a prompt a replica would refuse for them is refused here, in that API's error
+shape, and never forwarded.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from octavo.router.args import RouterConfig
 from octavo.router.dispatch import Dispatcher
 from octavo.router.metrics import RouterMetrics
 from octavo.router.policy import make_policy
-from octavo.router.prompts import NO_KEYS, PROMPT_KINDS, PromptHasher, PromptKeys
+from octavo.router.prompts import NO_KEYS, PROMPT_KINDS, PromptHasher, PromptKeys, RefusedPrompt
 from octavo.router.proxy import REPLICA_HEADER, ProxyResponse, Route, error_json
 from octavo.router.replicas import Replica, ReplicaSet
 from octavo.server.errors import install_error_handlers
+from octavo.server.front_door import install_front_door
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +79,13 @@ class Router:
     def __init__(self, config: RouterConfig, hasher: PromptHasher) -> None:
         self.config = config
         self.hasher = hasher
+        if config.max_model_len is not None:
+            hasher.max_model_len = config.max_model_len
+        learn = None if config.max_model_len is not None else self.set_max_model_len
+        self.auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.replicas = ReplicaSet(config.replicas, config.index_blocks,
-                                   config.health_interval)
+                                   config.health_interval, config.replica_timeout,
+                                   headers=self.auth, on_max_model_len=learn)
         self.metrics = RouterMetrics(self.replicas)
         self.dispatcher = Dispatcher(
             self.replicas, make_policy(config.policy,
@@ -92,10 +103,16 @@ class Router:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         return self.client
 
+    def set_max_model_len(self, value: int) -> None:
+        self.hasher.max_model_len = value  # an attribute the hashing thread reads
+
     async def keys(self, path: str, body: bytes) -> PromptKeys:
+        """The prompt's routing keys; RefusedPrompt where the replicas would refuse it."""
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.tokenize_pool, self.hasher.keys, path, body)
+        except RefusedPrompt:
+            raise
         except Exception:  # never fail a request for want of a routing key
             logger.exception("router: hashing a %s prompt failed", path)
             return NO_KEYS
@@ -165,6 +182,7 @@ def build_app(config: RouterConfig, hasher: PromptHasher) -> FastAPI:
     app = FastAPI(title="octavo router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
     install_error_handlers(app)
+    install_front_door(app, config, config.host)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -184,7 +202,11 @@ def build_app(config: RouterConfig, hasher: PromptHasher) -> FastAPI:
         except TooLarge:
             return JSONResponse(error_json(path, 413, "the request body is larger than "
                                            f"{config.max_request_body_bytes} bytes"), 413)
-        keys = await router.keys(path, body)
+        try:
+            keys = await router.keys(path, body)
+        except RefusedPrompt as e:
+            return JSONResponse(error_json(path, e.error.status, e.error.message, e.error.param),
+                                e.error.status)
         route = router.by_policy(keys)
         if path == "/v1/responses" and (prev := previous_response_id(body)) is not None:
             holder, _ = await router.holder_of(prev, request)

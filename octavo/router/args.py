@@ -25,11 +25,12 @@ from octavo.router.policy import (
     DEFAULT_BALANCE_REL_THRESHOLD,
     POLICIES,
 )
+from octavo.server.args import FrontDoorConfig, read_api_key
 
 DEFAULT_HEALTH_INTERVAL = 2.0
 DEFAULT_INDEX_BLOCKS = 16384  # per replica, until its /metrics tells its KV blocks
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20  # `octavo serve`'s default
 DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_REPLICA_TIMEOUT = 60.0
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")  # `octavo serve`'s
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -38,7 +39,9 @@ ROUTER = "router"
 
 
 @dataclass(frozen=True, slots=True)
-class RouterConfig:
+class RouterConfig(FrontDoorConfig):
+    """The router's settings; the front door (keys, limits, connections) is the server's."""
+
     replicas: list[str] = option(
         help="an `octavo serve` replica, e.g. http://127.0.0.1:8001 (repeat it)",
         default_factory=list, action="append", flag_name="--replica", group=ROUTER)
@@ -67,11 +70,15 @@ class RouterConfig:
                                     "each replica", check=positive, group=ROUTER)
     connect_timeout: float = option(DEFAULT_CONNECT_TIMEOUT, "seconds to connect to a replica",
                                     check=positive, group=ROUTER)
+    replica_timeout: float = option(
+        DEFAULT_REPLICA_TIMEOUT, "a replica that has not answered a health check for this many "
+        "seconds is hung: the requests in flight on it end (502, or an error event in a "
+        "stream)", check=positive, group=ROUTER)
+    max_model_len: int | None = option(
+        None, "the replicas' max_model_len: prompts that cannot fit are refused here (default: "
+        "what the replicas report in /v1/models)", check=at_least(1), group=ROUTER)
     host: str = option("127.0.0.1", "address to listen on", group=ROUTER)
     port: int = option(8000, "port to listen on", check=at_least(0), group=ROUTER)
-    max_request_body_bytes: int = option(DEFAULT_MAX_REQUEST_BODY_BYTES,
-                                         "answer 413 above this size", check=at_least(1),
-                                         group=ROUTER)
     enable_auto_tool_choice: bool = option(
         False, "as the replicas have it (chat prompts with tools render as theirs)",
         group=ROUTER)
@@ -91,6 +98,7 @@ class RouterConfig:
         if dup:
             raise ValueError(f"--replica {sorted(dup)[0]} is given more than once")
         check_options(self, _flag_error)
+        self.check_front_door()
 
 
 def _flag_error(name: str, problem: str) -> OptionError:
@@ -116,5 +124,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def router_config(ns: argparse.Namespace) -> RouterConfig:
-    """The router's settings from `octavo router`'s flags."""
-    return options_from_flags(RouterConfig, ns)
+    """The router's settings from `octavo router`'s flags; the API key is read here (file or
+    environment), as `octavo serve` reads it."""
+    key = read_api_key(getattr(ns, "api_key", None), getattr(ns, "api_key_file", None))
+    return options_from_flags(RouterConfig, ns, api_key=key, api_key_file=None)

@@ -38,11 +38,12 @@ import octavo.envs as envs
 from octavo.model.sources import resolve_model_dir
 from octavo.router.args import RouterConfig
 from octavo.router.launcher import RouterServer, make_hasher, router_server
-from octavo.server.args import add_server_args
+from octavo.server.args import FRONT_DOOR_OPTION_NAMES, add_server_args
 from octavo.server.launcher import server_config
 
-# the parent's own flags: never passed on to a replica
-PARENT_ONLY = frozenset({"host", "port", "data_parallel_size", "help"})
+# the parent's own flags: never passed on to a replica (a replica on 127.0.0.1 takes the
+# router's requests, whose Host is its loopback address, under its default allowed hosts)
+PARENT_ONLY = frozenset({"host", "port", "data_parallel_size", "allowed_hosts", "help"})
 PR_SET_PDEATHSIG = 1
 
 _libc: Any = None
@@ -213,14 +214,14 @@ def serve_data_parallel(ns: argparse.Namespace) -> int:
     resolve_model_dir(ns.model)  # a GGUF's config is written once, here, not by N replicas
     replicas = start_replicas(ns, n, gpus)
     try:
+        front_door = {name: getattr(server, name) for name in FRONT_DOOR_OPTION_NAMES}
         config = RouterConfig(
             replicas=[r.url for r in replicas], model=ns.model, block_size=ns.block_size,
-            max_request_body_bytes=server.max_request_body_bytes,
-            enable_auto_tool_choice=server.enable_auto_tool_choice,
+            host=ns.host, enable_auto_tool_choice=server.enable_auto_tool_choice,
             tool_call_parser=server.tool_call_parser,
             shutdown_timeout=server.shutdown_timeout,
             kv_tier_shared=getattr(ns, "kv_offload_dir", None) is not None
-            or getattr(ns, "kv_offload_url", None) is not None)
+            or getattr(ns, "kv_offload_url", None) is not None, **front_door)
         router = router_server(config, make_hasher(config), host=ns.host, port=ns.port,
                                log_level=ns.uvicorn_log_level)
 

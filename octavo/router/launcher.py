@@ -21,7 +21,6 @@ from octavo.model.sources import resolve_model_dir
 from octavo.router.app import build_app
 from octavo.router.args import RouterConfig
 from octavo.router.prompts import PromptHasher, load_tokenizer
-from octavo.server.args import ServerConfig
 from octavo.server.connections import uvicorn_config
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -32,7 +31,10 @@ def make_hasher(config: RouterConfig) -> PromptHasher:
     tokenizer = load_tokenizer(resolve_model_dir(config.model))
     return PromptHasher(tokenizer, config.block_size,
                         enable_auto_tool_choice=config.enable_auto_tool_choice,
-                        tool_call_parser=config.tool_call_parser)
+                        tool_call_parser=config.tool_call_parser,
+                        max_model_len=config.max_model_len,
+                        chat_template_timeout=config.chat_template_timeout,
+                        trust_request_chat_template=config.trust_request_chat_template)
 
 
 class RouterServer(uvicorn.Server):
@@ -74,7 +76,7 @@ def router_server(config: RouterConfig, hasher: PromptHasher | None = None, **uv
                   ) -> RouterServer:
     """The router's server, not started (`uvicorn_options`: host, port, log_level, ...)."""
     app = build_app(config, hasher if hasher is not None else make_hasher(config))
-    ucfg = uvicorn_config(app, ServerConfig(), **uvicorn_options)
+    ucfg = uvicorn_config(app, config, **uvicorn_options)
     ucfg.timeout_graceful_shutdown = int(config.shutdown_timeout)
     return RouterServer(ucfg)
 

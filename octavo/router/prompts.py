@@ -7,8 +7,14 @@ template; Anthropic Messages and Responses requests are first translated to chat
 server's own translators. The hashes come from the engine's `BlockHasher` at the replicas'
 block size, so they are the names the replicas' prefix caches give the same blocks.
 
-A prompt that cannot be rendered so (a body the server would refuse, a template error, a
-Responses turn whose earlier turns live on a replica) falls back to hashing its text: the
+Tokenizing and rendering run within the server's own bounds (server/tokenizing.py): a prompt
+that cannot fit max_model_len, a reserved `chat_template_kwargs` key, a request's own chat
+template the operator does not trust, a render past its time budget: each is refused here with
+the replica's 400 (`RefusedPrompt`), before any replica sees it.
+
+A prompt that cannot be rendered so for another reason (a body the server would refuse for its
+shape, a Responses turn whose earlier turns live on a replica) falls back to hashing its text
+(its first MAX_TEXT_HASH_BYTES, enough to route it): the
 UTF-8 bytes of its prompt parts, `TEXT_BYTES_PER_TOKEN` bytes standing for one token, under
 their own extra key (they never collide with token blocks). Such hashes match no replica's
 cache, but equal texts still hash equally, so requests sharing a prefix still meet on the
@@ -34,15 +40,20 @@ from octavo.server.chat.tools import (
     template_renders_tools,
     with_tool_prompt,
 )
+from octavo.server.errors import OpenAIError
 from octavo.server.protocol import ChatCompletionRequest
+from octavo.server.request_budget import check_count_of_tools
 from octavo.server.responses.protocol import ResponsesRequest
 from octavo.server.responses.serving import conversation_messages
 from octavo.server.responses.serving import to_chat_request as responses_to_chat
+from octavo.server.tokenizing import BoundedTokenizer
 
 logger = logging.getLogger(__name__)
 
 TEXT_BYTES_PER_TOKEN = 4
 TEXT_EXTRA_KEY = "octavo-router:text"
+MAX_TEXT_HASH_BYTES = 256 << 10
+MAX_HASHED_PROMPTS = 128  # of a batched completion (`octavo serve` takes 128 by default)
 
 # the POST endpoints whose prompt fills a replica's KV cache, and how to read their bodies
 PROMPT_KINDS = {
@@ -79,13 +90,26 @@ def load_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+class RefusedPrompt(Exception):
+    """The replicas would refuse this prompt (`error`: their answer); the router answers it."""
+
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 class PromptHasher:
     """Not thread-safe (an HF fast tokenizer is not): call it from one thread."""
 
     def __init__(self, tokenizer: Any | None, block_size: int, *,
                  enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, max_model_len: int | None = None,
+                 chat_template_timeout: float = 2.0,
+                 trust_request_chat_template: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.bounded = None if tokenizer is None else BoundedTokenizer(
+            tokenizer, max_model_len, chat_template_timeout=chat_template_timeout,
+            trust_request_chat_template=trust_request_chat_template)
         self.block_size = block_size
         self.hasher = BlockHasher(block_size)
         self.text_hasher = BlockHasher(block_size * TEXT_BYTES_PER_TOKEN)
@@ -93,9 +117,19 @@ class PromptHasher:
         self.tool_call_parser = tool_call_parser
 
     # ---- the entry point --------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int | None:
+        return None if self.bounded is None else self.bounded.max_model_len
+
+    @max_model_len.setter
+    def max_model_len(self, value: int | None) -> None:
+        if self.bounded is not None:
+            self.bounded.max_model_len = value
+
     def keys(self, path: str, raw: bytes) -> PromptKeys:
         """The block hashes of the prompt of a POST to `path` with body `raw` (NO_KEYS for an
-        endpoint that computes nothing in the KV cache)."""
+        endpoint that computes nothing in the KV cache); RefusedPrompt where the replicas would
+        refuse it within the bounds."""
         kind = PROMPT_KINDS.get(path)
         if kind is None:
             return NO_KEYS
@@ -108,6 +142,8 @@ class PromptHasher:
         if self.tokenizer is not None:
             try:
                 prompts = self.token_ids(kind, body)
+            except OpenAIError as e:  # the bounds: the replica would say the same
+                raise RefusedPrompt(e) from None
             except Exception as e:  # refused by the server's own checks, template errors, ...
                 logger.debug("router: %s prompt not rendered (%s); hashing its text", path, e)
             else:
@@ -133,38 +169,40 @@ class PromptHasher:
         return [self.chat_ids(chat)]
 
     def completion_ids(self, prompt: Any) -> list[list[int]]:
+        assert self.bounded is not None
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [self.bounded.encode(prompt)]
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("prompt must be a string or a non-empty list")
         if all(_is_token(t) for t in prompt):
             return [list(prompt)]
         if all(isinstance(p, str) for p in prompt):
-            return [self.tokenizer.encode(p) for p in prompt]
+            prompt = prompt[:MAX_HASHED_PROMPTS]
+            for i, p in enumerate(prompt):  # every bound first, then the work
+                self.bounded.check_chars(len(p), f"prompt.{i}")
+            return [self.bounded.encode(p, param=f"prompt.{i}") for i, p in enumerate(prompt)]
         if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-            return [list(p) for p in prompt]
+            return [list(p) for p in prompt[:MAX_HASHED_PROMPTS]]
         raise ValueError("prompt holds neither texts nor token ids")
 
     def chat_ids(self, chat: ChatCompletionRequest) -> list[int]:
-        """serving_chat.render_chat_prompt's rendering, on this thread."""
+        """serving_chat.render_chat_prompt's rendering, on this thread, within its bounds."""
+        assert self.bounded is not None
+        check_count_of_tools(chat.tools)
         check_tool_messages(chat.messages)
         tools = plan_tools(chat, auto_enabled=self.enable_auto_tool_choice,
                            parser_name=self.tool_call_parser)
         messages = template_messages(messages_to_dicts(chat.messages))
         template_tools = None
         if tools.tools:
-            if template_renders_tools(self.tokenizer.chat_template):
+            if template_renders_tools(chat.chat_template or self.tokenizer.chat_template):
                 template_tools = tools.tools
             else:
                 messages = with_tool_prompt(messages, tools)
-        if not self.tokenizer.chat_template:
-            raise ValueError("the model's tokenizer has no chat template")
-        cont = chat.continue_final_message
-        return list(self.tokenizer.apply_chat_template(
-            messages, tools=template_tools,
-            add_generation_prompt=chat.add_generation_prompt and not cont,
-            continue_final_message=cont, tokenize=True, return_dict=False,
-            **(chat.chat_template_kwargs or {})))
+        return self.bounded.apply_chat_template(
+            messages, tools=template_tools, add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message,
+            template_kwargs=chat.chat_template_kwargs, chat_template=chat.chat_template)
 
     # ---- hashes -----------------------------------------------------------------------------
     def token_keys(self, token_ids: list[int]) -> list[bytes]:
@@ -173,7 +211,7 @@ class PromptHasher:
         return hashes
 
     def text_keys(self, text: str) -> PromptKeys:
-        data = text.encode("utf-8", "replace")
+        data = text[:MAX_TEXT_HASH_BYTES].encode("utf-8", "replace")[:MAX_TEXT_HASH_BYTES]
         hashes: list[bytes] = []
         self.text_hasher.extend(hashes, list(data), TEXT_EXTRA_KEY)
         return PromptKeys(hashes, len(data) // TEXT_BYTES_PER_TOKEN, False)

@@ -25,12 +25,7 @@ from octavo.server.completions.tokens import detokenize, tokenize
 from octavo.server.context import ServerContext
 from octavo.server.dashboard import dashboard_router
 from octavo.server.errors import OpenAIError, install_error_handlers
-from octavo.server.middleware import (
-    OPEN_PATHS,
-    APIKeyMiddleware,
-    BodySizeLimitMiddleware,
-    InFlightLimitMiddleware,
-)
+from octavo.server.front_door import install_front_door
 from octavo.server.openapi import install_openapi
 from octavo.server.protocol import (
     ChatCompletionRequest,
@@ -112,16 +107,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    # The last middleware added runs first: the key is checked before the body is read, and
-    # the in-flight limit before anything.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
-    open_paths = set(OPEN_PATHS)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
-                           protect_metrics=config.protect_metrics)
-        if config.protect_metrics:
-            open_paths.discard("/metrics")
-    app.add_middleware(InFlightLimitMiddleware, max_in_flight=config.limit_concurrency)
+    open_paths = install_front_door(app, config, config.host)
     install_openapi(app, api_key=bool(config.api_key), open_paths=open_paths,
                     vocab_size=ctx.vocab_size, max_model_len=ctx.max_model_len)
     return app

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,10 @@ DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0
 DEFAULT_LIMIT_CONCURRENCY = 4096
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_MAX_STORED_RESPONSES = 1000
+DEFAULT_MAX_STORED_RESPONSE_BYTES = 64 << 20
+DEFAULT_BODY_TIMEOUT = 60.0
+DEFAULT_MAX_PENDING_BODIES = 256
+DEFAULT_CHAT_TEMPLATE_TIMEOUT = 2.0
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -39,10 +44,90 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 SERVER, TOOLS, CONNECTIONS = ("server (vLLM's flag names)", "tools and reasoning (vLLM's flag "
                               "names)", "connections (uvicorn's names where it has one)")
+FRONT_DOOR = "front door (`octavo serve` and `octavo router` alike)"
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass(frozen=True, slots=True)
-class ServerConfig:
+class FrontDoorConfig:
+    """What stands between a client and the API, the same for `octavo serve` and `octavo
+    router` (server/front_door.py installs it): keys, body and connection limits, the Host
+    check, chat-template rendering."""
+
+    api_key: str | None = option(
+        None, "require `Authorization: Bearer KEY` (default: env OCTAVO_API_KEY; /health and "
+        "/metrics stay open)", group=FRONT_DOOR)
+    api_key_file: str | None = option(
+        None, "read the API key from this file (first line), so it stays out of the process "
+        "list", group=FRONT_DOOR)
+    protect_metrics: bool = option(False, "/metrics needs the API key too", group=FRONT_DOOR)
+    max_request_body_bytes: int = option(
+        DEFAULT_MAX_REQUEST_BODY_BYTES, "answer 413 above this size", check=at_least(1),
+        group=FRONT_DOOR)
+    allowed_hosts: list[str] = option(
+        help="Host header values (names, no port) requests may carry, else 400: a page on "
+        "another site cannot reach the server through DNS rebinding; '*' allows any (default: "
+        f"{', '.join(LOOPBACK_NAMES)} when --host is a loopback address, else any)",
+        default_factory=list, group=FRONT_DOOR)
+    trust_request_chat_template: bool = option(
+        False, "let requests send their own chat template (`chat_template`); refused (400) "
+        "without it", group=FRONT_DOOR)
+    chat_template_timeout: float = option(
+        DEFAULT_CHAT_TEMPLATE_TIMEOUT, "seconds one chat-template render may take (the "
+        "model's own template too); a longer one is cut off and its request gets 400",
+        check=positive, group=FRONT_DOOR)
+    # connections (server/connections.py, server/middleware.py)
+    header_timeout: float = option(
+        DEFAULT_HEADER_TIMEOUT, "close a connection that has not sent a whole request head "
+        "this many seconds after it opened (or after its last response)", check=positive,
+        group=CONNECTIONS)
+    body_timeout: float = option(
+        DEFAULT_BODY_TIMEOUT, "answer 408 and close the connection when a request body has "
+        "not fully arrived this many seconds after its head", check=positive,
+        group=CONNECTIONS)
+    max_pending_bodies: int = option(
+        DEFAULT_MAX_PENDING_BODIES, "requests whose body is still arriving, at most; past it "
+        "the one that has waited longest gets 503 and its connection is closed",
+        check=at_least(1), group=CONNECTIONS)
+    timeout_keep_alive: float = option(
+        DEFAULT_TIMEOUT_KEEP_ALIVE, "close an idle keep-alive connection after this many "
+        "seconds", check=positive, group=CONNECTIONS)
+    limit_concurrency: int = option(
+        DEFAULT_LIMIT_CONCURRENCY, "open connections at most; past it the oldest connection "
+        "still waiting for its request head is closed, and requests get 503",
+        check=at_least(1), group=CONNECTIONS)
+
+    def check_front_door(self) -> None:
+        if self.protect_metrics and not self.api_key:
+            raise ValueError("--protect-metrics needs an API key (--api-key or --api-key-file)")
+
+    def hosts_allowed(self, bound_host: str) -> frozenset[str] | None:
+        """The Host names requests may carry (lower case), or None: any."""
+        names = [h.strip().lower() for h in self.allowed_hosts if h.strip()]
+        if "*" in names:
+            return None
+        if not names:
+            if not is_loopback(bound_host):
+                return None
+            names = [*LOOPBACK_NAMES, bound_host.lower()]
+        return frozenset(n.removeprefix("[").removesuffix("]") for n in names)
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip().removeprefix("[").removesuffix("]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+FRONT_DOOR_OPTION_NAMES = frozenset(f.name for f in fields(FrontDoorConfig))
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig(FrontDoorConfig):
     """Settings of the HTTP layer (the engine's are in EngineArgs)."""
 
     host: str = option("127.0.0.1", "address to listen on", group=SERVER)
@@ -51,19 +136,9 @@ class ServerConfig:
         help="model name(s) the API answers to (default: --model as given, or the model "
         "directory's name)", default_factory=list, flag_name="--served-model-name",
         group=SERVER)
-    api_key: str | None = option(
-        None, "require `Authorization: Bearer KEY` (default: env OCTAVO_API_KEY; /health and "
-        "/metrics stay open)", group=SERVER)
-    api_key_file: str | None = option(
-        None, "read the API key from this file (first line), so it stays out of the process "
-        "list", group=SERVER)
-    protect_metrics: bool = option(False, "/metrics needs the API key too", group=SERVER)
     max_waiting_requests: int | None = option(
         DEFAULT_MAX_WAITING_REQUESTS, "answer 503 while this many requests wait to be "
         "scheduled", check=at_least(0), group=SERVER)
-    max_request_body_bytes: int = option(
-        DEFAULT_MAX_REQUEST_BODY_BYTES, "answer 413 above this size", check=at_least(1),
-        group=SERVER)
     max_prompts_per_request: int = option(
         DEFAULT_MAX_PROMPTS_PER_REQUEST, "answer 400 to a completion request with more "
         "prompts", check=at_least(1), group=SERVER)
@@ -95,18 +170,10 @@ class ServerConfig:
     max_stored_responses: int = option(
         DEFAULT_MAX_STORED_RESPONSES, "responses kept in memory for previous_response_id "
         "(/v1/responses with store=true); the oldest go first", check=at_least(1), group=TOOLS)
-    # connections and shutdown (server/connections.py, launcher.py)
-    header_timeout: float = option(
-        DEFAULT_HEADER_TIMEOUT, "close a connection that has not sent a whole request head "
-        "this many seconds after it opened (or after its last response)", check=positive,
-        group=CONNECTIONS)
-    timeout_keep_alive: float = option(
-        DEFAULT_TIMEOUT_KEEP_ALIVE, "close an idle keep-alive connection after this many "
-        "seconds", check=positive, group=CONNECTIONS)
-    limit_concurrency: int = option(
-        DEFAULT_LIMIT_CONCURRENCY, "open connections at most; past it the oldest connection "
-        "still waiting for its request head is closed, and requests get 503",
-        check=at_least(1), group=CONNECTIONS)
+    max_stored_response_bytes: int = option(
+        DEFAULT_MAX_STORED_RESPONSE_BYTES, "bytes of stored responses (their JSON) kept at "
+        "most; the oldest go first", check=at_least(1), group=TOOLS)
+    # shutdown (launcher.py)
     shutdown_timeout: float = option(
         DEFAULT_SHUTDOWN_TIMEOUT, "on SIGTERM / SIGINT: refuse new requests (503) and let "
         "those in flight finish for up to this many seconds, then abort the rest",
@@ -114,8 +181,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_options(self, _error)
-        if self.protect_metrics and not self.api_key:
-            raise ValueError("--protect-metrics needs an API key (--api-key or --api-key-file)")
+        self.check_front_door()
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 

@@ -11,8 +11,11 @@
   in flight are capped at the same number: past it, 503 (middleware.InFlightLimitMiddleware).
 - TCP_NODELAY on every connection, whatever socket it was accepted on (no_delay).
 - The soft file-descriptor limit is raised to the hard one, so the cap, not the OS, decides.
-- Repeated log lines (accept() failing for lack of descriptors, invalid requests) are written
-  once per interval with a count, not once per connection.
+- Repeated log lines (accept() failing for lack of descriptors, invalid requests, a refused
+  body, a replica's error) are written once per interval with a count, not once per
+  connection: on uvicorn's and asyncio's loggers and on every one of octavo's.
+
+The body half (read timeout, pending bodies, size, depth) is ASGI middleware: body_limits.py.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from octavo.server.args import ServerConfig
+from octavo.server.args import FrontDoorConfig
 
 LOG_INTERVAL_S = 10.0
 # a connection this young is never closed to make room: its request may be on its way
@@ -159,16 +162,31 @@ class RateLimitedLog(logging.Filter):
             record.exc_info = None  # one traceback per message is enough
         return True
 
+    def reset(self) -> None:
+        """Forget what was logged: the next record of each message passes."""
+        self._last.clear()
+        self._dropped.clear()
+
 
 _FILTER = RateLimitedLog()
 _NOISY_LOGGERS = ("asyncio", "uvicorn.error")
 
 
 def rate_limit_noisy_logs() -> None:
-    for name in _NOISY_LOGGERS:
+    """The filter on uvicorn's and asyncio's loggers and on every octavo logger made so far (a
+    logger's filters see only what is logged on it, not what its children pass up)."""
+    names = {*_NOISY_LOGGERS, "octavo",
+             *(n for n in list(logging.root.manager.loggerDict) if n.startswith("octavo."))}
+    for name in names:
         log = logging.getLogger(name)
         if _FILTER not in log.filters:
             log.addFilter(_FILTER)
+
+
+def reset_log_rate_limits() -> None:
+    """The rate limit of rate_limit_noisy_logs() starts afresh (servers of one process that
+    should each log their first lines, as tests start them)."""
+    _FILTER.reset()
 
 
 def raise_fd_limit(want: int = 1 << 16) -> int:
@@ -187,7 +205,7 @@ def raise_fd_limit(want: int = 1 << 16) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> uvicorn.Config:
+def uvicorn_config(app: Any, config: FrontDoorConfig, **options: Any) -> uvicorn.Config:
     """uvicorn's Config with octavo's connection settings (`options`: host, port, log_level)."""
     fds = raise_fd_limit()
     # leave descriptors for the listening socket, model files, logs and the engine

@@ -1,12 +1,13 @@
 """What every endpoint shares: the async engine, the server's settings, tokenizer copies.
 
-Work that grows with the input never runs on the event loop: tokenizing a prompt and rendering
-a chat template go to one worker thread (HF's Rust tokenizer releases the GIL while it works),
-after a check that costs nothing: a text longer than max_model_len tokens of the vocabulary's
-longest token cannot fit, and is refused without being tokenized. The worker and the loop each
-have their OWN tokenizer instance (the loop's only decodes single tokens for logprobs), and the
-engine thread has the engine's: HF fast tokenizers raise "Already borrowed" when one instance
-is used from two threads.
+Work that grows with the input never runs on the event loop, nor on the engine thread:
+tokenizing a prompt, rendering a chat template and preparing a request's costly fields
+(bad_words as token ids, a structured-output constraint's matcher: engine/input_processor.py's
+`Prepared`) go to one worker thread (HF's Rust tokenizer and llguidance release the GIL while
+they work), within the bounds of tokenizing.py and request_budget.py. The worker and the loop
+each have their OWN tokenizer instance (the loop's only decodes single tokens for logprobs), and
+the engine thread has the engine's: HF fast tokenizers raise "Already borrowed" when one
+instance is used from two threads.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ from typing import Any, TypeVar
 from transformers import AutoTokenizer
 
 from octavo.engine.async_engine import AsyncLLMEngine
+from octavo.engine.input_processor import Prepared
+from octavo.sampling_params import SamplingParams
 from octavo.server.args import ServerConfig
 from octavo.server.errors import OpenAIError, bad_request
 from octavo.server.metrics import ServerMetrics
+from octavo.server.request_budget import check_fields, prepare_fields
+from octavo.server.tokenizing import BoundedTokenizer
 
 T = TypeVar("T")
 
@@ -43,17 +48,16 @@ class ServerContext:
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         self._worker_tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="octavo-tokenize")
-        longest = max((len(s) for s in self._token_texts()), default=1)
-        self.max_prompt_chars = self.max_model_len * max(longest, 1)
+        self.bounded = BoundedTokenizer(
+            self._worker_tokenizer, self.max_model_len,
+            chat_template_timeout=config.chat_template_timeout,
+            trust_request_chat_template=config.trust_request_chat_template)
+        self.max_prompt_chars = self.bounded.max_prompt_chars
         self.metrics = ServerMetrics(self.model_name, engine.stats,
                                      max_model_len=self.max_model_len,
                                      cache_config=dict(info.cache_config))
         engine.observer = self.metrics
         self._token_strs: dict[int, str] = {}
-
-    def _token_texts(self) -> list[str]:
-        tok = self.tokenizer
-        return [tok.convert_tokens_to_string([t]) for t in tok.get_vocab()]
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -82,23 +86,26 @@ class ServerContext:
 
     # ---- tokens (off the event loop) -----------------------------------------------------
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
-        if num_chars > self.max_prompt_chars:
-            raise bad_request(  # worded as vLLM's context-length error (serving_common.py)
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"the prompt has {num_chars} characters, more than {self.max_model_len} tokens "
-                f"of this vocabulary can hold (at most {self.max_prompt_chars} characters). "
-                "Please reduce the length of the messages.", param,
-            )
+        self.bounded.check_chars(num_chars, param)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def encode(self, text: str, add_special_tokens: bool = True,
                      param: str = "prompt") -> list[int]:
-        self.check_prompt_chars(len(text), param)
-        ids = await self._off_loop(
-            lambda: self._worker_tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        return list(ids)
+        self.check_prompt_chars(len(text), param)  # before queueing for the worker
+        return await self._off_loop(self.bounded.encode, text, add_special_tokens, param)
+
+    async def prepare(self, params: SamplingParams, constraint_param: str) -> Prepared:
+        """The request's costly fields made ready for the engine, on the worker thread (400
+        past the request's budget or for a constraint that does not compile; such errors name
+        `constraint_param`)."""
+        structured = self.engine.structured
+        if not params.bad_words and params.structured_outputs is None:  # nothing costly
+            check_fields(params, structured.vocab_size, constraint_param)
+            return Prepared()
+        return await self._off_loop(prepare_fields, params, self._worker_tokenizer, structured,
+                                    constraint_param)
 
     def token_str(self, token_id: int) -> str:
         """The text of one token as logprobs show it (cached: the same ids recur)."""
@@ -121,38 +128,9 @@ class ServerContext:
     async def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         continue_final_message: bool = False, *, tools: list[dict[str, Any]] | None = None,
-        template_kwargs: dict[str, Any] | None = None,
+        template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
     ) -> list[int]:
-        if not self._worker_tokenizer.chat_template:
-            raise bad_request("the model's tokenizer has no chat template", "messages")
-        self.check_prompt_chars(sum(_text_length(m) for m in messages) + _text_length(tools),
-                                "messages")
-        extra = dict(template_kwargs or {})
-        for reserved in ("messages", "tools", "tokenize", "add_generation_prompt",
-                         "continue_final_message", "return_dict"):
-            if reserved in extra:
-                raise bad_request(f"chat_template_kwargs may not set {reserved!r}",
-                                  "chat_template_kwargs")
-
-        def render() -> list[int]:
-            return list(self._worker_tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt and not
-                continue_final_message, continue_final_message=continue_final_message,
-                tokenize=True, return_dict=False, **extra,
-            ))
-
-        try:
-            return await self._off_loop(render)
-        except Exception as e:  # jinja errors, a template's own raise_exception(...)
-            raise bad_request(f"could not apply the chat template: {e}", "messages") from e
-
-
-def _text_length(value: Any) -> int:
-    """Characters of text anywhere in a message (content, content parts, names, ...)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_text_length(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return sum(_text_length(v) for v in value)
-    return 0
+        return await self._off_loop(lambda: self.bounded.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+            template_kwargs=template_kwargs, chat_template=chat_template))

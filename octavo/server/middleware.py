@@ -1,4 +1,5 @@
-"""Pure-ASGI middlewares: API-key check and request-body size limit.
+"""Pure-ASGI middlewares: the API-key check (and the dashboard's login session), the Host
+check, the in-flight limit. The body limits are in body_limits.py.
 
 Pure ASGI rather than Starlette's BaseHTTPMiddleware, which wraps `receive` in a way that hides
 the client's disconnect from streaming responses: cancellation relies on seeing it.
@@ -8,22 +9,28 @@ from __future__ import annotations
 
 import hmac
 import json
+import secrets
+import time
+from collections import OrderedDict
 from http.cookies import CookieError, SimpleCookie
 from urllib.parse import parse_qsl, urlencode
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from octavo.server.errors import error_body
 
 # Liveness probes and Prometheus scrapers carry no key, as in vLLM (unless --protect-metrics).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-# What a browser opens: it cannot add a header, so the key may come as a cookie here
-# (GET only), set by one visit to /dashboard?api_key=KEY (Jupyter's token login).
+# What a browser opens: it cannot add a header, so a login session may come as a cookie here
+# (GET only), set by one visit to /dashboard?api_key=KEY (Jupyter's token login). The cookie
+# holds a random session token mapped server-side, never the key itself.
 DASHBOARD = "/dashboard"
 KV_MAP = "/v1/kv_map"
-KEY_COOKIE = "octavo_api_key"
+SESSION_COOKIE = "octavo_session"
 KEY_PARAM = "api_key"
 REDACTED = "redacted"
+SESSION_TTL_S = 12 * 3600
+MAX_SESSIONS = 1024
 
 
 def reads_cookie(path: str) -> bool:
@@ -31,11 +38,15 @@ def reads_cookie(path: str) -> bool:
     return path in (DASHBOARD, KV_MAP) or path.startswith(KV_MAP + "/")
 
 
-async def send_error(send: Send, status: int, message: str) -> None:
+async def send_error(send: Send, status: int, message: str, *, close: bool = False) -> None:
+    """An error in OpenAI's shape; `close`: the connection closes after it (a body left
+    unread)."""
     body = json.dumps(error_body(status, message).model_dump()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -47,14 +58,44 @@ def bearer_token(header: bytes) -> bytes:
     return token.strip() if scheme.lower() == b"bearer" else b""
 
 
+class LoginSessions:
+    """The dashboard's login sessions: random tokens, each valid for `ttl_s` seconds; at most
+    `max_sessions`, the oldest forgotten first. A token says nothing about the key."""
+
+    def __init__(self, ttl_s: float = SESSION_TTL_S, max_sessions: int = MAX_SESSIONS) -> None:
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self._expiry: OrderedDict[str, float] = OrderedDict()
+
+    def new(self) -> str:
+        token = secrets.token_urlsafe(32)
+        self._expiry[token] = time.monotonic() + self.ttl_s
+        while len(self._expiry) > self.max_sessions:
+            self._expiry.popitem(last=False)
+        return token
+
+    def valid(self, token: bytes) -> bool:
+        if not token:
+            return False
+        key = token.decode("latin-1")
+        expiry = self._expiry.get(key)
+        if expiry is None:
+            return False
+        if time.monotonic() > expiry:
+            del self._expiry[key]
+            return False
+        return True
+
+
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` or `x-api-key: <key>` (how Anthropic's clients
-    send it) matches; constant-time comparison."""
+    send it) matches, constant-time; the dashboard's GETs may carry a login session instead."""
 
     def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
         self.expected = api_key.encode()
         self.open_paths = OPEN_PATHS - ({"/metrics"} if protect_metrics else set())
+        self.sessions = LoginSessions()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         login = pop_query_key(scope) if scope["type"] == "http" else None
@@ -67,9 +108,12 @@ class APIKeyMiddleware:
                  headers.get(b"x-api-key", b"").strip()]
         browser = reads_cookie(scope["path"]) and scope["method"] in ("GET", "HEAD")
         if browser:
-            given.append(cookie_value(headers.get(b"cookie", b""), KEY_COOKIE))
             if scope["path"] == DASHBOARD and login and self.matches(login.encode()):
-                await send_login(send, login)
+                await send_login(send, self.sessions.new(), secure=is_https(scope),
+                                 max_age=int(self.sessions.ttl_s))
+                return
+            if self.sessions.valid(cookie_value(headers.get(b"cookie", b""), SESSION_COOKIE)):
+                await self.app(scope, receive, send)
                 return
         if not any(self.matches(key) for key in given):
             hint = (" or open /dashboard?api_key=KEY once in the browser"
@@ -107,65 +151,29 @@ def cookie_value(header: bytes, name: str) -> bytes:
     return morsel.value.encode("latin-1") if morsel is not None else b""
 
 
-async def send_login(send: Send, key: str) -> None:
-    """303 to the bare page, the key kept as a cookie the page's own requests carry (HttpOnly:
-    no script reads it; SameSite=Strict: no other site's page sends it)."""
+def is_https(scope: Scope) -> bool:
+    """The client reached us over TLS: uvicorn's own, or a proxy's that says so."""
+    forwarded = dict(scope["headers"]).get(b"x-forwarded-proto", b"")
+    return scope.get("scheme") == "https" or forwarded.strip().lower() == b"https"
+
+
+async def send_login(send: Send, token: str, *, secure: bool, max_age: int) -> None:
+    """303 to the bare page, the session token kept as a cookie the page's own requests carry
+    (HttpOnly: no script reads it; SameSite=Strict: no other site's page sends it; Secure
+    behind TLS: never sent in the clear)."""
     cookie = SimpleCookie()
-    cookie[KEY_COOKIE] = key
-    morsel = cookie[KEY_COOKIE]
+    cookie[SESSION_COOKIE] = token
+    morsel = cookie[SESSION_COOKIE]
     morsel["httponly"] = True
     morsel["samesite"] = "Strict"
     morsel["path"] = "/"
+    morsel["max-age"] = max_age
+    if secure:
+        morsel["secure"] = True
     headers = [(b"location", DASHBOARD.encode()), (b"content-length", b"0"),
                (b"set-cookie", morsel.OutputString().encode("latin-1"))]
     await send({"type": "http.response.start", "status": 303, "headers": headers})
     await send({"type": "http.response.body", "body": b""})
-
-
-class BodySizeLimitMiddleware:
-    """413 for a body over `max_bytes`, checked on Content-Length and on the bytes received.
-
-    The body is read up front (at most max_bytes + one chunk) and replayed to the app; after
-    it, `receive` goes straight to the server so the app still sees the client disconnect.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            await self.app(scope, receive, send)
-            return
-        too_big = f"request body is larger than the limit of {self.max_bytes} bytes"
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await send_error(send, 413, too_big)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await send_error(send, 413, too_big)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
 
 
 class InFlightLimitMiddleware:
@@ -190,3 +198,30 @@ class InFlightLimitMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
+
+
+def host_name(header: bytes) -> str:
+    """The name of a Host header, without its port, lower case (`[::1]:8000` -> `::1`)."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class AllowedHostsMiddleware:
+    """400 for a request whose Host header names another host than the allowed ones: a page
+    on another site that rebinds its own name to 127.0.0.1 (DNS rebinding) sends its own name
+    as Host, so it cannot reach a server on the operator's machine."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host")
+            if host is not None and host_name(host) not in self.allowed:
+                await send_error(send, 400, f"the Host header {host.decode('latin-1')!r} is "
+                                 "not a name this server answers to (--allowed-hosts)")
+                return
+        await self.app(scope, receive, send)

@@ -212,6 +212,9 @@ class ChatCompletionRequest(SamplingFields, GuidedFields):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
+    # vLLM extension: the request's own template, refused unless the server trusts requests
+    # with one (--trust-request-chat-template)
+    chat_template: str | None = None
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False

@@ -139,9 +139,11 @@ async def start_requests(
     params: SamplingParams, priority: int, param: str,
 ) -> list[RequestStream]:
     """Submit one engine request per prompt, all in one command: all or nothing (the engine
-    takes none of them if one is bad)."""
-    requests = [NewRequest(base_id if len(prompts) == 1 else f"{base_id}-{i}", p, params, priority)
-                for i, p in enumerate(prompts)]
+    takes none of them if one is bad). The costly fields are prepared first, off the engine
+    thread (context.py); `param` names the field a constraint came from."""
+    prepared = await ctx.prepare(params, param)
+    requests = [NewRequest(base_id if len(prompts) == 1 else f"{base_id}-{i}", p, params, priority,
+                           prepared) for i, p in enumerate(prompts)]
     try:
         return await ctx.engine.add_requests(requests)
     except (ValueError, TypeError) as e:

@@ -153,3 +153,25 @@ def test_waiting_high_priority_preempts_running_low_priority():
     assert (low.num_preemptions, high.num_preemptions) == (1, 0)
     assert high.seqs[0].seq_id in [c.seq_id for c in plan.chunks]
     assert low.seqs[0].seq_id in plan.finished_seq_ids, "the runner forgets the victim"
+
+
+def test_a_preempted_decode_leaves_the_plan_it_was_scheduled_in():
+    """Decodes are scheduled before prompts: when a higher-ranked request still in its prompt
+    runs out of blocks after a lower-ranked decode was scheduled, the decode is preempted and
+    taken out of this step's plan again (recomputed later), never both run and preempted."""
+    sched = make_scheduler("fcfs", num_blocks=9, block_size=4, max_num_batched_tokens=8,
+                           long_prefill_token_threshold=4)
+    a, b = make_request("a", 30, max_tokens=4), make_request("b", 3, max_tokens=40)
+    sched.add_request(a)
+    sched.add_request(b)
+    taken_back = 0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        scheduled = {c.seq_id for c in plan.chunks}
+        assert not scheduled & set(plan.finished_seq_ids), "a chunk of a preempted sequence"
+        taken_back += b.seqs[0].seq_id in plan.finished_seq_ids
+        sched.update_from_output(plan, fake_runner(plan))
+        sched.kv.check_invariants()
+    assert taken_back and b.num_preemptions
+    assert len(a.seqs[0].output_token_ids) == 4
+    assert sched.kv.stats()["kv_blocks_used"] == 0

@@ -62,8 +62,11 @@ def replica_metrics(replica: RunningServer) -> dict[str, float]:
     return parse_metrics(httpx.get(f"{replica.url}/metrics").text)
 
 
-def start_router(model_dir: Path, replicas: list[RunningServer], **options) -> RunningRouter:
-    config = RouterConfig(replicas=[r.url for r in replicas], model=str(model_dir),
+def start_router(model_dir: Path, replicas: list[RunningServer],
+                 urls: list[str] | None = None, **options) -> RunningRouter:
+    """`urls`: replicas that are not RunningServers (a fake one), after `replicas`."""
+    config = RouterConfig(replicas=[r.url for r in replicas] + (urls or []),
+                          model=str(model_dir),
                           **{"block_size": 16, "health_interval": 0.2, **options})
     server = router_server(config, log_level="warning")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -40,7 +40,7 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
 
 def test_a_connection_that_never_sends_a_request_is_closed(guarded):
     silent, partial = connect(guarded), connect(guarded)
-    partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finishes its head
+    partial.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finishes its head
     t0 = time.monotonic()
     assert closed_by_server(silent, 5) and closed_by_server(partial, 5)
     assert 1.0 < time.monotonic() - t0 < 4
@@ -48,7 +48,7 @@ def test_a_connection_that_never_sends_a_request_is_closed(guarded):
 
 def test_a_request_in_time_is_served_and_the_idle_connection_closed_after(guarded):
     sock = connect(guarded)
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     sock.settimeout(5)
     assert sock.recv(1024).startswith(b"HTTP/1.1 200")
     assert closed_by_server(sock, 5)  # keep-alive idle past its timeout
@@ -152,3 +152,15 @@ def test_no_delay_sets_the_option_on_an_accepted_socket():
     finally:
         for s in (accepted, client, listener):
             s.close()
+
+
+def test_a_host_header_naming_another_site_is_refused_on_loopback(tiny_server):
+    """DNS rebinding: a page on evil.example whose name now points at 127.0.0.1 reaches the
+    port, but its requests carry its own name as Host."""
+    for host, status in (("evil.example", 400), ("evil.example:8000", 400),
+                         ("localhost:1234", 200), ("127.0.0.1", 200), ("[::1]:80", 200)):
+        for path in ("/health", "/v1/models"):
+            r = httpx.get(f"{tiny_server.url}{path}", headers={"Host": host})
+            assert r.status_code == status, (host, path, r.text)
+    r = httpx.get(f"{tiny_server.url}/v1/models", headers={"Host": "evil.example"})
+    assert "--allowed-hosts" in r.json()["error"]["message"]

@@ -4,6 +4,8 @@ engine thread that dies makes /health fail and the server exit with status 1."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import threading
 import time
 
@@ -13,7 +15,7 @@ import pytest
 from tests.server.conftest import start_server, stop_server
 
 
-def test_a_failed_step_fails_only_its_requests(tiny_llama_dir):
+def test_a_failed_step_fails_only_its_requests(tiny_llama_dir, caplog):
     s = start_server(tiny_llama_dir, num_kv_blocks=64, max_num_seqs=1)  # one request at a time
     try:
         runner = s.engine.engine.runner
@@ -43,7 +45,15 @@ def test_a_failed_step_fails_only_its_requests(tiny_llama_dir):
             "prompt": "second", "max_tokens": 8, "ignore_eos": True}, timeout=60)
         t.join(timeout=30)
         events = [json.loads(x[6:]) for x in first if x.startswith("data: {")]
-        assert "injected device error" in events[-1]["error"]["message"]
+        # the client gets a generic message naming its request; the log has the cause
+        message = events[-1]["error"]["message"]
+        named = re.fullmatch(r"the model step failed \(request (cmpl-\w+)\); the server log "
+                             r"has the details", message)
+        assert named, message
+        request_id = named.group(1)
+        assert all(e.get("id", request_id) == request_id for e in events)
+        logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert any("injected device error" in m and request_id in m for m in logged), logged
         assert second.status_code == 200, second.text
         assert second.json()["choices"][0]["finish_reason"] == "length"
         assert httpx.get(f"{s.url}/health").status_code == 200

@@ -118,8 +118,16 @@ def test_the_api_key_protects_the_map_and_the_page(key_server):
     login = httpx.get(f"{url}/dashboard?api_key={API_KEY}")
     assert login.status_code == 303 and login.headers["location"] == "/dashboard"
     cookie = login.headers["set-cookie"]
-    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
-    jar = httpx.Cookies({"octavo_api_key": API_KEY})
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Secure" not in cookie
+    # the cookie holds a random session token, never the key
+    assert API_KEY not in cookie
+    token = login.cookies["octavo_session"]
+    assert len(token) >= 32 and httpx.get(f"{url}/dashboard?api_key={API_KEY}").cookies[
+        "octavo_session"] != token
+    # the key itself as a cookie opens nothing
+    for name in ("octavo_session", "octavo_api_key"):
+        assert httpx.get(f"{url}/dashboard", cookies={name: API_KEY}).status_code == 401
+    jar = httpx.Cookies({"octavo_session": token})
     assert httpx.get(f"{url}/dashboard", cookies=jar).status_code == 200
     assert httpx.get(f"{url}/v1/kv_map", cookies=jar).status_code == 200
     assert httpx.get(f"{url}/v1/kv_map/blocks/0", cookies=jar).status_code == 200
@@ -127,8 +135,12 @@ def test_the_api_key_protects_the_map_and_the_page(key_server):
     assert httpx.get(f"{url}/v1/models", cookies=jar).status_code == 401
     assert httpx.post(f"{url}/v1/completions", cookies=jar, json={
         "model": key_server.model, "prompt": "x", "max_tokens": 1}).status_code == 401
-    bad = httpx.Cookies({"octavo_api_key": "wrong"})
+    bad = httpx.Cookies({"octavo_session": "wrong"})
     assert httpx.get(f"{url}/v1/kv_map", cookies=bad).status_code == 401
+    # behind TLS (a proxy that says so) the cookie is Secure: never sent in the clear
+    tls = httpx.get(f"{url}/dashboard?api_key={API_KEY}",
+                    headers={"X-Forwarded-Proto": "https"})
+    assert "Secure" in tls.headers["set-cookie"]
 
 
 def test_the_login_key_never_reaches_the_access_log(key_server, caplog):

@@ -65,7 +65,8 @@ def test_a_killed_worker_fails_the_stream_and_health_then_sigterm_exits(tiny_lla
         data = [x for x in lines if x.startswith("data: ")]
         assert data[-1] == "data: [DONE]"
         error = json.loads(data[-2][6:])["error"]["message"]
-        assert f"tensor-parallel worker rank 1 (pid {killed}) died" in error
+        # the stream gets the generic failure naming its request; /health says what happened
+        assert "the model step failed (request cmpl-" in error and "pid" not in error
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 503
         assert "rank 1" in health.json()["error"]["message"]

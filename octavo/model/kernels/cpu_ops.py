@@ -12,6 +12,8 @@
   (GGUF Q4_0/Q4_1/Q8_0, int4; block_quant.py).
 - `kquant_linear`, `kquant_dequantize`: the same for GGUF's K-quant super-blocks (Q4_K, Q5_K,
   Q6_K) on integer dot products, the AVX-512 build taking AVX512-VNNI where the CPU has it.
+- `gated_delta_step`, `ssd_step`: one decode step of the recurrent layers (Gated DeltaNet,
+  Mamba-2) for a batch, each sequence's state updated in place in its state slot.
 - `DecodeStack`: every decoder layer of an all-decode step in one C++ loop (decode_stack.py).
 
 They are built with torch's C++ extension tooling into ``$OCTAVO_CACHE/torch_extensions/<isa>``
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
            "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp", "int8_gemv.cpp",
-           "packed_gemv.cpp", "kquant_linear.cpp")
+           "packed_gemv.cpp", "kquant_linear.cpp", "recurrent_step.cpp")
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 

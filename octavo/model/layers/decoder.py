@@ -72,8 +72,21 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return torch.where(medium, smoothed, scaled), 1.0
     if rope_type == "longrope":  # Phi-3: the short factors (the long ones: longrope_long)
         return _longrope(config, "short_factor")
+    if rope_type == "proportional":  # Gemma 4's global layers
+        return _proportional(config, scaling), 1.0
     raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, "
-                     "linear, llama3, longrope)")
+                     "linear, llama3, longrope, proportional)")
+
+
+def _proportional(config: ModelConfig, scaling: dict) -> torch.Tensor:
+    """transformers' proportional RoPE: the first `partial_rotary_factor` of the frequencies
+    (each over the whole head_dim), the rest 0, so their dimensions pass unrotated."""
+    dim = config.head_dim
+    angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * dim // 2)
+    rotated = 1.0 / (config.rope_theta ** (
+        torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim))
+    inv_freq = torch.cat((rotated, torch.zeros(dim // 2 - angles)))
+    return inv_freq / float(scaling.get("factor", 1.0))
 
 
 def _longrope_original(config: ModelConfig) -> int:
@@ -158,6 +171,7 @@ class Attention(nn.Module):
         # local attention over the last `window` keys, and the score soft cap (Gemma sets them)
         self.window: int | None = None
         self.softcap: float | None = None
+        self.rope = True  # False: no rotary embedding on this layer (SmolLM3's NoPE layers)
         self.ops: Any = None  # compiled CPU ops, when enabled
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
@@ -172,12 +186,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.q_norm is not None:
             self._norm_heads(qkv)
-        if self.ops is not None:
+        if self.ops is not None and self.rope:
             self.ops.rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.ops is None:
+        if self.ops is None and self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.window is None and self.softcap is None:

@@ -20,6 +20,7 @@ The cache is zero-initialised: attention reads whole blocks and masks the unfill
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -49,6 +50,8 @@ class KVCache:
         self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
         # a kernel copying blocks (cache, [n, 2] src/dst ids) in one launch; None: indexing
         self.block_copier: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        # the recurrent layers' state slots (layers/recurrent/state.py), where a model has any
+        self.state: Any = None
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         slot = self.groups.layer_slot[i]

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 from octavo.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from octavo.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from octavo.model.models.gemma4 import Gemma4ForCausalLM
 from octavo.model.models.llama import LlamaForCausalLM
 from octavo.model.models.mixtral import MixtralForCausalLM
+from octavo.model.models.nemotron_h import NemotronHForCausalLM
 from octavo.model.models.phi3 import Phi3ForCausalLM
 from octavo.model.models.qwen2_moe import Qwen2MoeForCausalLM
 from octavo.model.models.qwen3 import Qwen3ForCausalLM
+from octavo.model.models.qwen3_5 import Qwen35ForCausalLM
+from octavo.model.models.qwen3_next import Qwen3NextForCausalLM
+from octavo.model.models.smollm3 import SmolLM3ForCausalLM
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -25,6 +30,11 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "mixtral": MixtralForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "smollm3": SmolLM3ForCausalLM,  # no RoPE on every fourth layer
+    "gemma4_text": Gemma4ForCausalLM,  # later layers share earlier layers' K/V
+    "qwen3_5_text": Qwen35ForCausalLM,  # Gated DeltaNet (recurrent state) + full attention
+    "qwen3_next": Qwen3NextForCausalLM,  # Qwen3.5's layers with sparse MoE MLPs
+    "nemotron_h": NemotronHForCausalLM,  # Mamba-2 (recurrent state) + attention + MLP blocks
 }
 assert set(MODELS) == set(SUPPORTED_MODEL_TYPES), "config.SUPPORTED_MODEL_TYPES is out of date"
 

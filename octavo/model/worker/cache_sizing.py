@@ -12,6 +12,13 @@ Host blocks (swap): their own size, `swap_space` GiB as in vLLM (default 4 GiB w
 preemption_mode=swap, never more blocks than the device has, since a swapped-out request held
 device blocks first; none otherwise), not a mirror of the device pool: on a GPU that would pin
 as much host memory as the GPU's whole KV cache.
+
+A model with recurrent layers also needs state slots (paging/state_slots.py): one per running
+sequence (`max_num_seqs`) and as many again for prefix-cache snapshots when prefix caching is
+on, or `num_state_slots`. They come out of the same memory, at most half of it; where half
+holds fewer, fewer sequences run at once (a sequence without a slot waits like one without
+blocks). With `num_kv_blocks` the blocks are as asked and the slots come on top; with host blocks
+there are as many host slots, on top of them.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ class KVBlockCounts:
     num_blocks: int
     num_host_blocks: int
     block_bytes: int
+    num_state_slots: int = 0  # recurrent layers' state slots (0: none)
+    num_host_state_slots: int = 0
+    state_slot_bytes: int = 0
 
 
 def cuda_kv_budget(device: torch.device, utilization: float,
@@ -63,15 +73,26 @@ def cuda_kv_budget(device: torch.device, utilization: float,
     return budget
 
 
+def state_slot_count(args: EngineArgs) -> int:
+    """State slots asked for: `num_state_slots`, else one per running sequence, twice that with
+    prefix caching (the other half holds snapshots)."""
+    if args.num_state_slots is not None:
+        return args.num_state_slots
+    return args.max_num_seqs * (2 if args.enable_prefix_caching else 1)
+
+
 def size_kv_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
                    device: torch.device, mem_get_info: MemInfo | None = None,
                    extra_block_bytes: int = 0,
                    activation_peak: Callable[[], int] | None = None,
-                   graph_pool: Callable[[], int] | None = None) -> KVBlockCounts:
+                   graph_pool: Callable[[], int] | None = None,
+                   state_slot_bytes: int = 0) -> KVBlockCounts:
     """`extra_block_bytes`: what each block costs beyond the target's K/V (a draft model's
     cache, which has the same blocks); `activation_peak` and `graph_pool` (None: no graphs):
-    the profile runs, called only where the budget comes from gpu_memory_utilization."""
+    the profile runs, called only where the budget comes from gpu_memory_utilization;
+    `state_slot_bytes`: one state slot of the recurrent layers (0: a model without them)."""
     block_bytes = KVCache.bytes_per_block(config, args.block_size, dtype) + extra_block_bytes
+    slots = state_slot_count(args) if state_slot_bytes else 0
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
     else:
@@ -84,13 +105,21 @@ def size_kv_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
                                         peak, pool)
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
+        if slots:
+            slots = max(1, min(slots, budget // 2 // state_slot_bytes))
+            budget -= slots * state_slot_bytes
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes={budget} is smaller than one KV block "
                 f"({block_bytes} bytes at block_size={args.block_size})"
             )
-    return KVBlockCounts(num_blocks, host_blocks(args, num_blocks, block_bytes), block_bytes)
+    num_host = host_blocks(args, num_blocks, block_bytes)
+    host_slots = slots if num_host else 0
+    if slots:
+        logger.info("recurrent state: %d slots of %.1f MiB (%d on the host)", slots,
+                    state_slot_bytes / 2**20, host_slots)
+    return KVBlockCounts(num_blocks, num_host, block_bytes, slots, host_slots, state_slot_bytes)
 
 
 def host_blocks(args: EngineArgs, num_blocks: int, block_bytes: int) -> int:

@@ -62,6 +62,9 @@ def graphs_off_because(model: torch.nn.Module, device: torch.device, dtype: torc
         return f"attention_backend {backend} (graphs need Triton's, whose KV write skips slot -1)"
     if tp_size > 1:
         return "tensor parallelism"
+    config = getattr(model, "config", None)
+    if config is not None and config.kv_groups.has_state:
+        return "recurrent layers (their state slots are read and written outside the graph)"
     if not graph_safe(model, device, dtype):
         return (f"the MoE layers' per-expert matmuls read their group sizes on the host "
                 f"(torch's grouped_mm does not run for {dtype} on {device.type} here)")

@@ -8,8 +8,8 @@ Python path, and so do decode steps of more than block_quant.SMALL_BATCH rows on
 It applies to the plain pre-norm Llama layer (Llama, Mistral/Qwen2 without sliding layers,
 SmolLM2, ...) on CPU with octavo's compiled ops and paged-decode kernel, whatever the linear
 layers are (oneDNN-packed fp32/bf16, int8, 4/8-bit blocks, GGUF K-quant super-blocks, plain);
-any other layer (Qwen3's q/k norms, Gemma's, MoE, sliding windows, soft caps), tensor
-parallelism or a hook on a module keeps the Python path. The engine option
+any other layer (Qwen3's q/k norms, Gemma's, MoE, sliding windows, soft caps, SmolLM3's layers
+without RoPE), tensor parallelism or a hook on a module keeps the Python path. The engine option
 `decode_stack=False` turns it off (the benchmarks' A/B).
 """
 
@@ -66,8 +66,9 @@ def _why_not(model: nn.Module, backend: Any, enabled: bool) -> str | None:
                 or type(mlp) is not MLP or type(layer.input_layernorm) is not RMSNorm
                 or type(layer.post_attention_layernorm) is not RMSNorm):
             return f"layer type {type(layer).__name__}"
-        if attn.q_norm is not None or attn.window is not None or attn.softcap is not None:
-            return "q/k norms, sliding windows or soft caps"
+        if (attn.q_norm is not None or attn.window is not None or attn.softcap is not None
+                or not attn.rope):
+            return "q/k norms, sliding windows, soft caps or layers without RoPE"
         if any(m.ops is None for m in (attn, mlp, layer.input_layernorm)):
             return "the compiled fused ops are off"
         for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):

@@ -3,7 +3,8 @@
 A StepPlan names sequences by id and carries only what changed; `InputBatch.apply(plan)` brings
 the kept state up to date (forget, add, new block ids, the chunk's tokens), and `prepare`
 flattens the chunks into one batch, decodes first (vLLM's convention): token ids, positions,
-the slot mapping and the attention metadata.
+the slot mapping and the attention metadata; for a model with recurrent layers also the state
+group's metadata (each sequence's state slot, the snapshots the step takes), last in `metas`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from octavo.model.layers.attention.base import AttentionMetadata, PrefillChunk
+from octavo.model.layers.recurrent.state import StateChunk, StateMetadata
 from octavo.sampling_params import SamplingParams
 from octavo.step_plan import SeqChunk, StepPlan
 
@@ -37,7 +39,8 @@ class SeqState:
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    metas: list[AttentionMetadata]  # one per KV cache group
+    # one per KV cache group (a model with recurrent layers: the StateMetadata last)
+    metas: list
     order: list[int]  # chunk indices in batch order (decodes first)
 
     @property
@@ -47,19 +50,21 @@ class ModelInputs:
 
 class InputBatch:
     """`windows`: per KV cache group, its sliding window (None: full attention). A sliding
-    group's decode reads only the blocks its window covers."""
+    group's decode reads only the blocks its window covers. `state`: the model has recurrent
+    layers, whose state group comes after the attention groups (its table: the state slot)."""
 
     def __init__(self, block_size: int, device: torch.device,
-                 windows: tuple[int | None, ...] = (None,)) -> None:
+                 windows: tuple[int | None, ...] = (None,), state: bool = False) -> None:
         self.block_size = block_size
         self.device = device
         self.windows = windows
+        self.state = state
         self.seqs: dict[int, SeqState] = {}
 
     def apply(self, plan: StepPlan) -> None:
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
-        groups = len(self.windows)
+        groups = len(self.windows) + self.state
         for new in plan.new_seqs:
             tables = [list(new.block_ids), *(list(t) for t in new.group_block_ids)]
             if len(tables) != groups:
@@ -86,7 +91,9 @@ class InputBatch:
                 raise ValueError(f"sequence {chunk.seq_id}: chunk tokens differ from the known "
                                  f"tokens at {start}")
 
-    def prepare(self, chunks: list[SeqChunk]) -> ModelInputs:
+    def prepare(self, chunks: list[SeqChunk],
+                snapshots: list[tuple[int, int, int]] | None = None) -> ModelInputs:
+        """`snapshots`: the plan's state snapshots, (seq_id, position, slot)."""
         device = self.device
         # a chunk with drafts computes them after its known tokens, like a prefill chunk
         decode_idx = [i for i, c in enumerate(chunks) if c.num_query_tokens == 1]
@@ -98,14 +105,41 @@ class InputBatch:
             tokens.extend(c.token_ids)
             tokens.extend(c.draft_token_ids)
             positions.extend(range(c.start_pos, c.start_pos + c.num_query_tokens))
-        metas = [self._group_meta(g, chunks, decode_idx, prefill_idx)
-                 for g in range(len(self.windows))]
+        metas: list = [self._group_meta(g, chunks, decode_idx, prefill_idx)
+                       for g in range(len(self.windows))]
+        if self.state:
+            metas.append(self._state_meta(chunks, decode_idx, prefill_idx, snapshots or []))
         return ModelInputs(
             input_ids=torch.tensor(tokens, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             metas=metas,
             order=decode_idx + prefill_idx,
         )
+
+    def _state_meta(self, chunks: list[SeqChunk], decode_idx: list[int], prefill_idx: list[int],
+                    snapshots: list[tuple[int, int, int]]) -> StateMetadata:
+        group = len(self.windows)
+        slots = [self.seqs[chunks[i].seq_id].block_tables[group][0] for i in decode_idx]
+        fresh = [slot for i, slot in zip(decode_idx, slots, strict=True)
+                 if chunks[i].start_pos == 0]
+        asked = {seq_id: (pos, slot) for seq_id, pos, slot in snapshots}
+        prefills = []
+        row = len(decode_idx)
+        for i in prefill_idx:
+            c = chunks[i]
+            n = c.num_query_tokens
+            snap = asked.get(c.seq_id)
+            if snap is not None:
+                snap = (snap[0] - c.start_pos, snap[1])
+                if not 0 < snap[0] < n:
+                    raise ValueError(f"sequence {c.seq_id}: a state snapshot at {snap[0]} "
+                                     f"tokens into a chunk of {n}")
+            prefills.append(StateChunk(row, row + n, self.seqs[c.seq_id].block_tables[group][0],
+                                       c.start_pos, snap))
+            row += n
+        return StateMetadata(len(decode_idx),
+                             torch.tensor(slots, dtype=torch.long, device=self.device), fresh,
+                             prefills)
 
     def _group_meta(self, group: int, chunks: list[SeqChunk], decode_idx: list[int],
                     prefill_idx: list[int]) -> AttentionMetadata:

@@ -22,6 +22,7 @@ from octavo.model.kernel_config import resolve_kernel_config
 from octavo.model.layers.attention import get_backend
 from octavo.model.layers.kv_cache import KVCache
 from octavo.model.layers.linear import PackedLinear
+from octavo.model.layers.recurrent.state import StateCache
 from octavo.model.loader import load_model
 from octavo.model.parallel.tensor_parallel import ShardPlan, TPGroup
 from octavo.model.quant.block_quant import BlockQuantLinear
@@ -101,7 +102,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             logger.info("CUDA graphs for decode: %s", "on" if self.use_cuda_graphs else
                         f"off, decode steps run eagerly ({why or 'not asked for'})")
-        self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
+        groups = config.kv_groups
+        self.batch = InputBatch(args.block_size, self.device, groups.windows, groups.has_state)
+        # recurrent layers: their state tensors per slot (None: a model without them)
+        self.state_shapes = self.model.state_shapes(self.dtype) if groups.has_state else None
+        self.kv_counts: KVBlockCounts | None = None  # as size_kv_blocks sized it
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
         self.kv_cache: KVCache | None = None
@@ -159,11 +164,17 @@ class ModelRunner:
                 **self.weights_report()}
 
     def weights_report(self) -> dict[str, int | str]:
-        """The weights' bytes in memory, and what quantization saved (0 without)."""
+        """The weights' bytes in memory, and what quantization saved (0 without); the KV
+        cache's bytes per token (the layers that own KV pages only) and, for a model with
+        recurrent layers, the bytes of one sequence's state slot (whatever its length)."""
         report = self.model.quant_report
+        elem = torch.empty((), dtype=self.dtype).element_size()
         return {"quantization": report.method if report is not None else "none",
                 "weights_bytes": weight_bytes(self.model),
-                "quantization_saved_bytes": report.saved_bytes if report is not None else 0}
+                "quantization_saved_bytes": report.saved_bytes if report is not None else 0,
+                "kv_bytes_per_token": self.local_config.kv_bytes_per_token(elem),
+                "state_bytes_per_slot": (StateCache.bytes_per_slot(self.state_shapes)
+                                         if self.state_shapes else 0)}
 
     # ---- start-up -------------------------------------------------------------------------
     def size_kv_blocks(self, mem_get_info: MemInfo | None = None) -> KVBlockCounts:
@@ -171,11 +182,14 @@ class ModelRunner:
         extra = 0
         if isinstance(self.drafter, DraftModelDrafter):  # its cache has the target's blocks
             extra = KVCache.bytes_per_block(self.drafter.config, self.block_size, self.dtype)
-        return size_kv_blocks(self.args, self.local_config, self.dtype, self.device,
-                              mem_get_info, extra_block_bytes=extra,
-                              activation_peak=self.profile_run,
-                              graph_pool=self.graph_pool_run if self._wants_cuda_graphs()
-                              else None)
+        state = StateCache.bytes_per_slot(self.state_shapes) if self.state_shapes else 0
+        self.kv_counts = size_kv_blocks(self.args, self.local_config, self.dtype, self.device,
+                                        mem_get_info, extra_block_bytes=extra,
+                                        activation_peak=self.profile_run,
+                                        graph_pool=self.graph_pool_run
+                                        if self._wants_cuda_graphs() else None,
+                                        state_slot_bytes=state)
+        return self.kv_counts
 
     def profile_run(self) -> int:
         """The largest step's activation peak on CUDA (profile_run.py; 0 elsewhere)."""
@@ -189,8 +203,13 @@ class ModelRunner:
                                self.block_size, self.dtype, self.device)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """The KV cache, and the recurrent layers' state slots as size_kv_blocks sized them."""
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
                                 self.device, num_host_blocks)
+        if self.state_shapes is not None:
+            counts = self.kv_counts or self.size_kv_blocks()
+            self.kv_cache.state = StateCache(self.state_shapes, counts.num_state_slots,
+                                             self.device, counts.num_host_state_slots)
         if self.backend.name == "triton":
             from octavo.model.kernels.triton.cache_ops import copy_blocks
 
@@ -238,6 +257,8 @@ class ModelRunner:
         for block_id, data in plan.tier_loads:
             kv.write_block(block_id, data)
         kv.copy_blocks(plan.block_copies)
+        if plan.state_transfers:
+            kv.state.run(plan.state_transfers)
         if not plan.chunks:
             empty = torch.empty(0, self.config.vocab_size, device=self.device)
             return StepLogits(sample=empty, prompt={}, plan=plan, saved_blocks=saved)
@@ -245,7 +266,7 @@ class ModelRunner:
             drafts = self.drafter.propose(plan.chunks, self.batch, self.kv_cache, self.backend)
             plan = replace(plan, chunks=[replace(c, draft_token_ids=drafts[c.seq_id])
                                          if c.seq_id in drafts else c for c in plan.chunks])
-        inputs = self.batch.prepare(plan.chunks)
+        inputs = self.batch.prepare(plan.chunks, plan.state_snapshots)
         row_starts: dict[int, int] = {}
         row = 0
         for idx in inputs.order:

@@ -195,6 +195,12 @@ class ContiguousAllocator:
     def take_block_copies(self) -> list[tuple[int, int]]:
         return []
 
+    def take_state_ops(self) -> tuple[list[tuple[str, int, int]], list[tuple[int, int, int]]]:
+        return [], []  # no recurrent state: models with recurrent layers need paging
+
+    def commit_step(self, seq_id: int) -> None:
+        pass
+
     # -- the KV tier: none (no prefix cache) ----------------------------------------------------
     def take_tier_io(self) -> tuple[list[int], list[tuple[int, memoryview]]]:
         return [], []

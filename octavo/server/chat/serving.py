@@ -47,6 +47,7 @@ from octavo.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from octavo.server.request_budget import check_count_of_tools
 from octavo.server.serving_common import (
     ENGINE_ERRORS,
     SSE_DONE,
@@ -134,19 +135,21 @@ async def render_chat_prompt(ctx: ServerContext, body: ChatCompletionRequest
                              ) -> tuple[list[int], ToolPlan]:
     """The prompt's token ids (messages and tools through the chat template) and the tool
     plan; /v1/messages/count_tokens counts the same ids."""
+    check_count_of_tools(body.tools)
     check_tool_messages(body.messages)
     tools = plan_tools(body, auto_enabled=ctx.config.enable_auto_tool_choice,
                        parser_name=ctx.config.tool_call_parser)
     messages = template_messages(messages_to_dicts(body.messages))
     template_tools = None
     if tools.tools:
-        if template_renders_tools(ctx.chat_template):
+        if template_renders_tools(body.chat_template or ctx.chat_template):
             template_tools = tools.tools
         else:
             messages = with_tool_prompt(messages, tools)
     ids = await ctx.apply_chat_template(messages, body.add_generation_prompt,
                                         body.continue_final_message, tools=template_tools,
-                                        template_kwargs=body.chat_template_kwargs)
+                                        template_kwargs=body.chat_template_kwargs,
+                                        chat_template=body.chat_template)
     return ids, tools
 
 

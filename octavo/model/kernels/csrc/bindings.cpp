@@ -22,6 +22,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += x (in place), then RMSNorm(residual)");
   m.def("rope_", &rope_, "rotary embedding of the q and k heads of a fused qkv buffer, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from a fused [T, 2I] gate_up buffer");
+  m.def("gated_delta_step", &gated_delta_step,
+        "one Gated DeltaNet decode step of a batch, each state updated in place in its slot",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
+        py::arg("state"), py::arg("slots"), py::arg("out"));
+  m.def("ssd_step", &ssd_step,
+        "one Mamba-2 decode step of a batch, each state updated in place in its slot",
+        py::arg("x"), py::arg("dt"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("d"),
+        py::arg("state"), py::arg("slots"), py::arg("out"));
   m.def("quantize_rows_int8", &quantize_rows_int8,
         "per-row symmetric int8 quantization: (q, scale)", py::arg("x"), py::arg("qmax"));
   m.def("int8_epilogue", &int8_epilogue, "int32 GEMM sums * x_scale * w_scale (+ bias)",

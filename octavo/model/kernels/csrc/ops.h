@@ -39,6 +39,13 @@ void rope_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_heads,
 
 at::Tensor silu_and_mul(at::Tensor gate_up);
 
+// one decode step of the recurrent layers for a batch (recurrent_step.cpp): each sequence's
+// float32 state read and written in place in its slot; out is written
+void gated_delta_step(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+                      at::Tensor state, at::Tensor slots, at::Tensor out);
+void ssd_step(at::Tensor x, at::Tensor dt, at::Tensor a, at::Tensor b, at::Tensor c,
+              at::Tensor d, at::Tensor state, at::Tensor slots, at::Tensor out);
+
 // W8A8 linear layers: per-row symmetric int8 quantization -> (q int8 [rows, cols], scale
 // float32 [rows, 1]); and int32 sums -> dtype (sum * x_scale[row] * w_scale[col] + bias)
 std::vector<at::Tensor> quantize_rows_int8(at::Tensor x, double qmax);
