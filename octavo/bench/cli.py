@@ -39,6 +39,7 @@ BENCHMARKS = {
     "router": "octavo.bench.router",
     "gpu": "octavo.bench.gpu",
     "quant": "octavo.bench.quant",
+    "kvquant": "octavo.bench.kv_quant",
 }
 
 

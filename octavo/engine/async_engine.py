@@ -184,7 +184,7 @@ class AsyncLLMEngine:
         # engine-thread side; read (never written) by the loop: plain values, atomic under GIL
         self._streams: dict[str, RequestStream] = {}
         self._last_token_time: dict[str, float | None] = {}
-        self._stats: dict[str, int | float] = engine.stats()
+        self._stats: dict[str, int | float | str] = engine.stats()
         self._num_waiting = 0
 
     # ---- lifecycle (event loop) -----------------------------------------------------------
@@ -285,7 +285,7 @@ class AsyncLLMEngine:
         """Requests not yet scheduled: the scheduler's waiting queue plus adds in transit."""
         return self._num_waiting + self._pending_adds
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | str]:
         """engine.stats() as of the end of the engine thread's last iteration."""
         return self._stats
 

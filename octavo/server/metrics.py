@@ -54,6 +54,9 @@ GAUGES = (
      "Most KV blocks one sequence holds in one sliding-window layer group."),
     ("kv_slots_out_of_window", "kv_slots_out_of_window",
      "Held slots whose tokens left every sliding window (counted as internal waste)."),
+    ("kv_cache_bytes_per_token", "kv_bytes_per_token",
+     "Bytes one token's K and V take in every layer, in the KV cache's dtype (scales "
+     "included)."),
 )
 COUNTERS = (
     ("prompt_tokens", "prompt_tokens_total", "Prefill tokens computed."),
@@ -79,7 +82,7 @@ RECENT_WINDOW_S = 30.0
 class EngineStatsCollector(Collector):
     """Reads the engine's stats() snapshot on each scrape."""
 
-    def __init__(self, stats: Callable[[], dict[str, int | float]], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], dict[str, int | float | str]], model_name: str) -> None:
         self.stats = stats
         self.model_name = model_name
 
@@ -90,6 +93,11 @@ class EngineStatsCollector(Collector):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=label)
             g.add_metric([self.model_name], float(s.get(key, 0)))
             yield g
+        # vLLM's cache_config_info: the cache's settings as labels of a constant 1
+        g = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration.",
+                              labels=["model_name", "cache_dtype"])
+        g.add_metric([self.model_name, str(s.get("kv_cache_dtype", "auto"))], 1.0)
+        yield g
         total = s.get("kv_blocks_total", 0) or 0
         g = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
                               "Fraction of KV blocks in use (1 = full).", labels=label)
@@ -116,7 +124,7 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """The app's registry and the per-request histograms (an OutputObserver)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, int | float]]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, int | float | str]]) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(stats, model_name))

@@ -15,6 +15,10 @@ they left the window.
 
 The cache is zero-initialised: attention reads whole blocks and masks the unfilled tail, and
 0 * garbage could be NaN.
+
+With a quantized `kv_cache_dtype` (kv_quant.py) the tensor holds the stored rows: int8 values
+with each row's fp32 scale in its last 4 bytes (head_dim + 4 int8 elements per row), or fp8
+values; everything above (blocks, copies, swaps) is the same.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from octavo.config import ModelConfig
+from octavo.model.layers.kv_quant import KVFormat
 
 
 class KVCache:
@@ -35,13 +40,16 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         num_host_blocks: int = 0,
+        fmt: KVFormat | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.groups = groups = config.kv_groups
+        self.fmt = fmt = fmt or KVFormat("auto", dtype)
+        dtype = fmt.dtype
         rows = num_blocks + 1 if groups.has_window else num_blocks
         shape = (groups.slots_per_group, 2, rows, block_size, config.num_kv_heads,
-                 config.head_dim)
+                 fmt.row_elems(config.head_dim))
         self.device_cache = torch.zeros(shape, dtype=dtype, device=device)
         host_shape = (*shape[:2], num_host_blocks, *shape[3:])
         self.null_block_id = num_blocks
@@ -83,6 +91,9 @@ class KVCache:
         return t[:, 0], t[:, 1]
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return config.kv_bytes_per_slot(elem) * block_size
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                        fmt: KVFormat | None = None) -> int:
+        """One block's K and V in every layer slot, in the stored format (int8: scales too)."""
+        fmt = fmt or KVFormat("auto", dtype)
+        rows = 2 * config.kv_groups.slots_per_group * config.num_kv_heads
+        return rows * fmt.row_bytes(config.head_dim) * block_size

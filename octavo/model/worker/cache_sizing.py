@@ -19,6 +19,7 @@ import torch
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.kv_quant import KVFormat
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,14 @@ def cuda_kv_budget(device: torch.device, utilization: float,
 def size_kv_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
                    device: torch.device, mem_get_info: MemInfo | None = None,
                    extra_block_bytes: int = 0,
-                   activation_peak: Callable[[], int] | None = None) -> KVBlockCounts:
+                   activation_peak: Callable[[], int] | None = None,
+                   fmt: KVFormat | None = None) -> KVBlockCounts:
     """`extra_block_bytes`: what each block costs beyond the target's K/V (a draft model's
     cache, which has the same blocks); `activation_peak`: the profile run, called only where
-    the budget comes from gpu_memory_utilization."""
-    block_bytes = KVCache.bytes_per_block(config, args.block_size, dtype) + extra_block_bytes
+    the budget comes from gpu_memory_utilization; `fmt`: how K/V are stored (kv_cache_dtype:
+    the bytes of a token in that format, an int8 row's scale included; None: the model
+    dtype)."""
+    block_bytes = KVCache.bytes_per_block(config, args.block_size, dtype, fmt) + extra_block_bytes
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
     else:

@@ -21,7 +21,7 @@ from octavo.model.layers.kv_cache import KVCache
 logger = logging.getLogger(__name__)
 
 
-def _prefill_meta(lens: list[int], per_seq: int, block_size: int,
+def prefill_meta(lens: list[int], per_seq: int, block_size: int,
                   device: torch.device) -> AttentionMetadata:
     """Sequence i's prompt from position 0 in blocks i * per_seq ... (i + 1) * per_seq - 1."""
     prefills, slots, row = [], [], 0
@@ -47,7 +47,7 @@ def activation_peak(model: nn.Module, backend: AttentionBackend, args: EngineArg
     lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
     per_seq = -(-seq_len // bs)
     cache = KVCache(config, per_seq * len(lens), bs, dtype, device)
-    metas = [_prefill_meta(lens, per_seq, bs, device) for _ in config.kv_groups.windows]
+    metas = [prefill_meta(lens, per_seq, bs, device) for _ in config.kv_groups.windows]
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     rows = torch.arange(min(tokens, args.max_num_seqs), device=device)

@@ -20,7 +20,9 @@ from octavo.engine_args import EngineArgs
 from octavo.model.dtype_policy import DTYPES
 from octavo.model.kernel_config import resolve_kernel_config
 from octavo.model.layers.attention import get_backend
+from octavo.model.layers.decoder import Attention
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.kv_quant import KVFormat, KVQuant, kv_format
 from octavo.model.layers.linear import PackedLinear
 from octavo.model.loader import load_model
 from octavo.model.parallel.tensor_parallel import ShardPlan, TPGroup
@@ -37,6 +39,11 @@ from octavo.model.worker.cache_sizing import KVBlockCounts, MemInfo, size_kv_blo
 from octavo.model.worker.cuda_graphs import DecodeGraphs
 from octavo.model.worker.decode_stack import build_decode_stack
 from octavo.model.worker.input_batch import InputBatch
+from octavo.model.worker.kv_calibration import (
+    calibrate_kv_scales,
+    calibration_token_ids,
+    checkpoint_kv_scales,
+)
 from octavo.model.worker.profile_run import activation_peak
 from octavo.model.worker.sampling_rows import SamplingRows, grammar_rows, sampling_rows
 from octavo.step_plan import RunnerOutput, StepPlan
@@ -76,6 +83,7 @@ class ModelRunner:
     def __init__(self, args: EngineArgs, model_dir: Path, config: ModelConfig,
                  tp: TPGroup | None = None) -> None:
         self.args = args
+        self.model_dir = model_dir
         self.config = config
         self.tp = tp
         # what this rank's layers and KV cache hold (its heads and MLP units under TP)
@@ -88,6 +96,8 @@ class ModelRunner:
         isa = self.kernels.isa
         self.isa = isa or "none"
         self.dtype = self.dtype_choice.dtype
+        # how K/V are stored (kv_cache_dtype; kv_quant.py)
+        self.kv_format: KVFormat = kv_format(args.kv_cache_dtype, self.dtype)
         self.block_size = args.block_size
         torch.manual_seed(args.seed)
         max_positions = args.max_model_len or config.max_position_embeddings
@@ -153,7 +163,16 @@ class ModelRunner:
                 "decode_loop": "c++" if self.model.decode_stack is not None else "python",
                 "cuda_graphs": "off" if self.graphs is None else
                 f"decode batches <= {self.graphs.buckets[-1]}",
-                **self.weights_report()}
+                **self.kv_report(), **self.weights_report()}
+
+    def kv_report(self) -> dict[str, int | str]:
+        """How K/V are stored: the dtype, and the bytes one token takes in every layer (K and
+        V, scales included, this rank's heads)."""
+        name = self.kv_format.name
+        return {"kv_cache_dtype": str(self.dtype).removeprefix("torch.") if name == "auto"
+                else name,
+                "kv_bytes_per_token": KVCache.bytes_per_block(self.local_config, 1, self.dtype,
+                                                              self.kv_format)}
 
     def weights_report(self) -> dict[str, int | str]:
         """The weights' bytes in memory, and what quantization saved (0 without)."""
@@ -170,7 +189,7 @@ class ModelRunner:
             extra = KVCache.bytes_per_block(self.drafter.config, self.block_size, self.dtype)
         return size_kv_blocks(self.args, self.local_config, self.dtype, self.device,
                               mem_get_info, extra_block_bytes=extra,
-                              activation_peak=self.profile_run)
+                              activation_peak=self.profile_run, fmt=self.kv_format)
 
     def profile_run(self) -> int:
         """The largest step's activation peak on CUDA (profile_run.py; 0 elsewhere)."""
@@ -178,8 +197,16 @@ class ModelRunner:
                                self.max_positions, self.dtype, self.device)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        if self.kv_format.quantized:
+            self._quantize_kv()
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
-                                self.device, num_host_blocks)
+                                self.device, num_host_blocks, self.kv_format)
+        report = self.kv_report()
+        logger.info("KV cache: %d blocks of %d tokens, %s, %d bytes per token (%.1f MiB)",
+                    num_blocks, self.block_size, report["kv_cache_dtype"],
+                    report["kv_bytes_per_token"],
+                    self.kv_cache.device_cache.numel() * self.kv_cache.device_cache.element_size()
+                    / 2**20)
         if self.backend.name == "triton":
             from octavo.model.kernels.triton.cache_ops import copy_blocks
 
@@ -195,6 +222,29 @@ class ModelRunner:
                                        self.args.max_num_seqs, self.max_positions,
                                        self.config.kv_groups.windows)
             self.graphs.capture_all()
+
+    def _quantize_kv(self) -> None:
+        """Every attention layer writes and reads quantized pages from now on; fp8 layers get
+        their scales from the checkpoint or a calibration prompt (kv_calibration.py)."""
+        fmt = self.kv_format
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if not fmt.is_fp8:
+            for attn in layers:
+                attn.kv_quant = KVQuant(fmt)
+            return
+        cfg = self.local_config
+        scales = checkpoint_kv_scales(self.model_dir, cfg.num_layers, cfg.num_kv_heads)
+        source = "the checkpoint"
+        if scales is None:
+            scales = calibrate_kv_scales(self.model, cfg, self.backend,
+                                         calibration_token_ids(self.model_dir),
+                                         self.block_size, self.dtype, self.device)
+            source = "a calibration prompt"
+        if len(scales) != len(layers):
+            raise ValueError(f"{len(scales)} KV scale pairs for {len(layers)} attention layers")
+        for attn, (k, v) in zip(layers, scales, strict=True):
+            attn.kv_quant = KVQuant(fmt, k.to(self.device), v.to(self.device))
+        logger.info("%s KV pages: per-head scales from %s", fmt.name, source)
 
     def _wants_cuda_graphs(self) -> bool:
         """CUDA graphs for decode: on CUDA, with the Triton backend, one rank, unless
