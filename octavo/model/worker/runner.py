@@ -236,9 +236,9 @@ class ModelRunner:
         scales = checkpoint_kv_scales(self.model_dir, cfg.num_layers, cfg.num_kv_heads)
         source = "the checkpoint"
         if scales is None:
-            scales = calibrate_kv_scales(self.model, cfg, self.backend,
-                                         calibration_token_ids(self.model_dir),
-                                         self.block_size, self.dtype, self.device)
+            ids = calibration_token_ids(self.model_dir)[: self.max_positions]
+            scales = calibrate_kv_scales(self.model, cfg, self.backend, ids, self.block_size,
+                                         self.dtype, self.device)
             source = "a calibration prompt"
         if len(scales) != len(layers):
             raise ValueError(f"{len(scales)} KV scale pairs for {len(layers)} attention layers")

@@ -117,8 +117,8 @@ def run_case(backend, name, seqs, heads, kv_heads, head_dim, block_size, dtype, 
     for i, (cached, new) in enumerate(seqs):
         ref = reference(q[row:row + new].float(), k_cache, v_cache, tables[i], cached, quant,
                         scale, window, softcap)
-        torch.testing.assert_close(out[row:row + new].float(), ref, atol=tol, rtol=tol,
-                                   msg=lambda m, i=i: f"sequence {i} {seqs[i]}: {m}")
+        err = ((out[row:row + new].float() - ref).abs() - tol * ref.abs()).max().item()
+        assert err <= tol, f"sequence {i} {seqs[i]}: off by {err} (tolerance {tol})"
         row += new
     # the step's rows are stored exactly as kv_quant.quantize stores them
     expect = quantize(torch.cat(ks).to(dtype), quant.fmt, quant.k_scale)
@@ -126,7 +126,7 @@ def run_case(backend, name, seqs, heads, kv_heads, head_dim, block_size, dtype, 
     assert torch.equal(stored.view(torch.uint8), expect.view(torch.uint8))
 
 
-@pytest.fixture(params=["torch", *(f"cpu-{isa}" for isa in ISAS), "triton"])
+@pytest.fixture(params=["torch", *(f"cpu-{isa}" for isa in ISAS)])
 def backend(request):
     name, _, isa = request.param.partition("-")
     return get_backend(name, torch.device("cpu"), isa or None)
@@ -144,8 +144,6 @@ def test_pages_read_as_stored(backend, name, block_size):
 @pytest.mark.parametrize("name", KV_DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 128), (16, 2, 64), (6, 3, 16)])
 def test_gqa_ratios_and_head_dims(backend, name, heads, kv_heads, head_dim):
-    if backend.name == "triton" and head_dim == 16:
-        pytest.skip("the Triton kernels' tl.dot needs head_dim >= 16 tiles; covered above")
     run_case(backend, name, [(0, 1), (40, 1), (0, 20), (9, 12)], heads, kv_heads, head_dim,
              32, torch.float32, seed=heads + head_dim)
 
@@ -161,6 +159,19 @@ def test_windows_and_soft_caps(backend, name, window, softcap):
 def test_bfloat16_queries(backend, name):
     run_case(backend, name, [(0, 1), (50, 1), (0, 30), (17, 9)], 6, 2, 64, 16,
              torch.bfloat16, seed=9)
+
+
+@pytest.mark.parametrize("name, block_size, window, softcap, dtype", [
+    ("int8", 16, None, None, torch.float32),
+    ("fp8_e4m3", 8, 20, 3.0, torch.float32),
+    ("fp8_e5m2", 1, None, None, torch.bfloat16),
+])
+def test_triton_kernels(name, block_size, window, softcap, dtype):
+    """The Triton write, decode and prefill kernels (in Triton's interpreter on this machine):
+    few, small cases, the interpreter paying per program and per op."""
+    triton = get_backend("triton", torch.device("cpu"))
+    run_case(triton, name, [(0, 1), (21, 1), (0, 9), (17, 6)], 4, 2, 64, block_size, dtype,
+             seed=block_size, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("isa", ISAS)

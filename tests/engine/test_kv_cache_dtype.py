@@ -1,0 +1,146 @@
+"""kv_cache_dtype through the engine: quantization is per token and attention reads K/V as
+stored, so greedy outputs with int8 (and fp8) pages do not depend on how the work is done:
+prefix caching on or off (a second run hits every full block), preemption by recompute or by
+swap, block sizes 1 / 16 / 256, chunked prefill, batched or alone, the C++ decode loop or the
+Python layers, the compiled attention kernels or the torch backend. Every run ends with every
+block back in the pool. Plus what the engine reports (stats, bytes per token, sizing) and the
+fp8 scales' two sources (calibration, the checkpoint).
+
+The tiny random-weight model keeps each engine under a second; the kernels themselves are
+checked on the real head dims in tests/model/layers/test_kv_quant.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from octavo import LLM, SamplingParams
+from octavo.engine_args import EngineArgsError
+from octavo.model.layers.decoder import Attention
+from octavo.paging.block_hash import BlockHasher
+from tests.conftest import build_tiny_llama
+from tests.engine.conftest import tokens_prompt
+
+MAX_TOKENS = 20
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# 2 layers x (K, V) x 2 KV heads x (16 int8 values + a 4-byte scale)
+INT8_BYTES_PER_TOKEN = 2 * 2 * 2 * (16 + 4)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """7 prompts of 3..150 tokens, four of them sharing a 60-token prefix."""
+    rng = random.Random(7)
+
+    def rand(n: int) -> list[int]:
+        return [rng.randrange(3, 256) for _ in range(n)]
+
+    prefix = rand(60)
+    return [rand(3), rand(40), rand(150)] + [prefix + rand(n) for n in (5, 20, 33, 70)]
+
+
+def generate(llm: LLM, prompts: list[list[int]], alone: bool = False) -> list[list[int]]:
+    if alone:
+        outs = [llm.generate([tokens_prompt(p)], GREEDY, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate([tokens_prompt(p) for p in prompts], GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["kv_cpu_blocks_used"] == 0
+    llm.engine.kv.check_invariants()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def int8_alone(tiny_llama_dir, prompts) -> list[list[int]]:
+    llm = LLM(str(tiny_llama_dir), kv_cache_dtype="int8", block_size=16, num_kv_blocks=128,
+              enable_prefix_caching=False)
+    return generate(llm, prompts, alone=True)
+
+
+CONFIGS = {
+    "batched-bs16-caching": dict(block_size=16, num_kv_blocks=128),
+    "bs1-chunked": dict(block_size=1, num_kv_blocks=2048, max_num_batched_tokens=24,
+                        enable_prefix_caching=False),
+    "bs256": dict(block_size=256, num_kv_blocks=8),
+    "recompute": dict(block_size=16, num_kv_blocks=16, max_model_len=256),
+    "swap": dict(block_size=16, num_kv_blocks=16, max_model_len=256, preemption_mode="swap"),
+    "python-layers": dict(block_size=16, num_kv_blocks=128, decode_stack=False),
+    "torch-attention": dict(block_size=16, num_kv_blocks=128, attention_backend="torch"),
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_int8_greedy_is_the_same_however_it_runs(tiny_llama_dir, prompts, int8_alone, config):
+    llm = LLM(str(tiny_llama_dir), kv_cache_dtype="int8", **CONFIGS[config])
+    assert generate(llm, prompts) == int8_alone
+    stats = llm.stats()
+    if config in ("recompute", "swap"):
+        assert stats["num_preemptions"] > 0
+    if llm.engine.args.enable_prefix_caching:  # the second run finds every full block
+        assert generate(llm, prompts) == int8_alone
+        if llm.engine.args.block_size <= 16:  # (256-token blocks: no prompt fills one)
+            assert llm.stats()["prefix_cache_hit_tokens"] > stats["prefix_cache_hit_tokens"]
+
+
+def test_fp8_greedy_batched_equals_alone_and_scales_are_per_head(tiny_llama_dir, prompts):
+    llm = LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", num_kv_blocks=128)
+    batched = generate(llm, prompts[:4])
+    assert generate(llm, prompts[:4], alone=True) == batched
+    runner = llm.engine.runner
+    layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
+    quant = layers[0].kv_quant
+    assert quant is not None and quant.fmt.name == "fp8_e4m3"
+    assert quant.k_scale.shape == (2,) and bool((quant.k_scale > 0).all())
+    assert runner.kv_cache.device_cache.dtype == torch.float8_e4m3fn
+    assert llm.stats()["kv_cache_dtype"] == "fp8_e4m3"
+
+
+def test_checkpoint_scales_are_used(tmp_path):
+    model_dir = build_tiny_llama(tmp_path / "fp8-scales")
+    file = model_dir / "model.safetensors"
+    tensors = load_file(file)
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.05 * (i + 1))
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.02)
+    save_file(tensors, file, metadata={"format": "pt"})
+    llm = LLM(str(model_dir), kv_cache_dtype="fp8_e5m2", num_kv_blocks=32)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Attention)]
+    assert torch.equal(layers[1].kv_quant.k_scale, torch.tensor([0.1, 0.1]))
+    assert torch.equal(layers[0].kv_quant.v_scale, torch.tensor([0.02, 0.02]))
+    assert len(generate(llm, [[5, 6, 7]])[0]) == MAX_TOKENS
+
+
+def test_sizing_and_stats_count_the_stored_bytes(tiny_llama_dir):
+    budget = 100 * 16 * INT8_BYTES_PER_TOKEN + 7
+    llm = LLM(str(tiny_llama_dir), kv_cache_dtype="int8", kv_cache_memory_bytes=budget)
+    stats = llm.stats()
+    assert stats["kv_cache_dtype"] == "int8"
+    assert stats["kv_bytes_per_token"] == INT8_BYTES_PER_TOKEN
+    assert stats["kv_blocks_total"] == 100
+    cache = llm.engine.runner.kv_cache.device_cache
+    assert cache.dtype == torch.int8 and cache.numel() == 100 * 16 * INT8_BYTES_PER_TOKEN
+    auto = LLM(str(tiny_llama_dir), kv_cache_memory_bytes=budget).stats()
+    assert auto["kv_cache_dtype"] == "float32" and auto["kv_bytes_per_token"] == 2 * 2 * 2 * 64
+    assert auto["kv_blocks_total"] == budget // (16 * 512)
+
+
+def test_a_bad_kv_cache_dtype_names_the_option():
+    with pytest.raises(EngineArgsError, match="kv_cache_dtype"):
+        LLM(kv_cache_dtype="int4")
+
+
+def test_prefix_cache_keys_differ_by_kv_dtype():
+    tokens = list(range(40))
+    hashes = {}
+    for seed in (None, "int8", "fp8_e4m3"):
+        hashes[seed] = []
+        BlockHasher(16, seed).extend(hashes[seed], tokens, None)
+    assert len({h[0] for h in hashes.values()}) == 3  # every block of the chain differs
+    assert len({h[1] for h in hashes.values()}) == 3
+    plain: list[bytes] = []
+    BlockHasher(16).extend(plain, tokens, None)
+    assert plain == hashes[None]  # the model dtype's keys are what they always were
