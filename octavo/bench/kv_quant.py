@@ -55,11 +55,19 @@ def quality(base: LLM, quant: LLM, refs: list[list[int]], prompts: list[list[int
             "max_kl": kl.max().item(), "positions": top1.numel()}
 
 
+def model_max_len(model: str | None) -> int:
+    from octavo.config import ModelConfig
+    from octavo.model.sources import resolve_model_dir
+
+    return ModelConfig.from_dir(resolve_model_dir(model)).max_len[0]
+
+
 def decode_speed(opts: BenchOptions, kv_cache_dtype: str, num_seqs: int, context: int
                  ) -> dict[str, Any]:
     """Decode tok/s of `num_seqs` sequences whose prompts are `context` tokens long."""
     vocab = workloads.SMOLLM2_VOCAB if not opts.model else 256
     steps = WINDOW_STEPS * (WINDOWS + 1)
+    context = min(context, model_max_len(opts.model) - steps - 2)  # a small --model
     total = context + steps + 2
     blocks = num_seqs * -(-total // 16) + 4
     llm = make_llm(opts.model, overrides=opts.engine_overrides, dtype=opts.dtypes[0],
@@ -97,7 +105,9 @@ def decode_speed(opts: BenchOptions, kv_cache_dtype: str, num_seqs: int, context
 
 def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
     t0 = time.perf_counter()
-    base = make_llm(opts.model, overrides=opts.engine_overrides, dtype=opts.dtypes[0])
+    # room for every prompt and its continuation at once, not the default 1 GiB per engine
+    sized = dict(dtype=opts.dtypes[0], num_kv_blocks=len(PROMPTS) * -(-(64 + CONTINUATION) // 16))
+    base = make_llm(opts.model, overrides=opts.engine_overrides, **sized)
     tokenizer = base.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=CONTINUATION, ignore_eos=True,
@@ -108,8 +118,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
                                "model_dtype": base.engine.kernel_path()["dtype"],
                                "auto_kv_bytes_per_token": base.stats()["kv_bytes_per_token"]}
     for name in FORMATS:
-        quant = make_llm(opts.model, overrides=opts.engine_overrides, dtype=opts.dtypes[0],
-                         kv_cache_dtype=name)
+        quant = make_llm(opts.model, overrides=opts.engine_overrides, kv_cache_dtype=name,
+                         **sized)
         results["quality"][name] = {**quality(base, quant, refs, prompts),
                                     "kv_bytes_per_token": quant.stats()["kv_bytes_per_token"]}
         del quant

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from octavo.bench.workloads import Workload, poisson_arrivals
 from octavo.paging import ContiguousAllocator, KVCacheManager, KVSeq, WasteTracker
+from octavo.paging.kv_audit import sliding_blocks_held
 from octavo.paging.waste import SLOT_KEYS
 
 ALLOCATORS = ("contiguous-max", "contiguous-request", "paged")
@@ -75,7 +76,7 @@ def max_held_slots(kv, running: list[_Seq]) -> int:
     only), or its whole reservation (contiguous)."""
     if isinstance(kv, KVCacheManager):
         if kv.windows[0] is not None:
-            return kv.sliding_blocks_held() * kv.block_size
+            return sliding_blocks_held(kv) * kv.block_size
         return max((-(-s.kv.num_computed_tokens // kv.block_size) * kv.block_size
                     for s in running if s.kv is not None), default=0)
     return max((s.reserved_slots for s in running), default=0)

@@ -70,6 +70,10 @@ CONFIGS = {
     "swap": dict(block_size=16, num_kv_blocks=16, max_model_len=256, preemption_mode="swap"),
     "python-layers": dict(block_size=16, num_kv_blocks=128, decode_stack=False),
     "torch-attention": dict(block_size=16, num_kv_blocks=128, attention_backend="torch"),
+    # drafts verified at lookahead slots, the rejected ones' K/V overwritten later
+    "ngram-drafts": dict(block_size=16, num_kv_blocks=128, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2, "cost_model": False}),
 }
 
 
@@ -84,6 +88,36 @@ def test_int8_greedy_is_the_same_however_it_runs(tiny_llama_dir, prompts, int8_a
         assert generate(llm, prompts) == int8_alone
         if llm.engine.args.block_size <= 16:  # (256-token blocks: no prompt fills one)
             assert llm.stats()["prefix_cache_hit_tokens"] > stats["prefix_cache_hit_tokens"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_forked_samples_copy_their_pages_with_the_scales(tiny_llama_dir, prompts,
+                                                         kv_cache_dtype):
+    """n = 3 greedy samples fork the prompt's blocks and copy the last, shared one on their
+    first write (copy-on-write); swapped out and in under preemption: each sample must read
+    exactly the pages (and int8 scales) a lone greedy run reads."""
+    llm = LLM(str(tiny_llama_dir), kv_cache_dtype=kv_cache_dtype, num_kv_blocks=20,
+              max_model_len=256, preemption_mode="swap")
+    alone = generate(llm, prompts[:5], alone=True)
+    params = SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([tokens_prompt(p) for p in prompts[:5]], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[a] * 3 for a in alone]
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def test_fp8_under_tensor_parallelism(tmp_path, prompts):
+    """Two ranks, 3 KV heads split 2 + 1: each rank calibrates the scales of its own heads
+    (the calibration pass all-reduces like any forward) and gives one rank's greedy tokens."""
+    model_dir = build_tiny_llama(tmp_path / "tp", num_attention_heads=6, num_key_value_heads=3,
+                                 hidden_size=96)
+    one = generate(LLM(str(model_dir), kv_cache_dtype="fp8", num_kv_blocks=128), prompts[:3])
+    tp = LLM(str(model_dir), kv_cache_dtype="fp8", num_kv_blocks=128, tensor_parallel_size=2)
+    try:
+        assert generate(tp, prompts[:3]) == one
+        assert tp.stats()["kv_bytes_per_token"] == 2 * 2 * 2 * 16  # rank 0: 2 of the 3 heads
+    finally:
+        tp.engine.shutdown()
 
 
 def test_fp8_greedy_batched_equals_alone_and_scales_are_per_head(tiny_llama_dir, prompts):
