@@ -2,8 +2,9 @@
 path reading int8 / fp8 pages equals dequantize-then-attend in fp32 on the same pages.
 
 Backends: torch, the compiled CPU kernels on every ISA build this CPU runs (decode and prefill),
-and the Triton kernels in Triton's interpreter. Cases: block sizes 1 to 64, GQA ratios 1, 3 and
-8, head dims 64 and 128 (the unrolled decode paths) and 16 (the generic one), prompts from 0,
+and the Triton kernels in Triton's interpreter. Cases: block sizes 1 to 32, GQA ratios 1, 2, 3, 8
+and 10 (the SIMD decode paths of quantized pages take a group's heads 8 at a time), head dims
+64 and 128 (the unrolled decode paths) and 16 (the generic one), prompts from 0,
 prefix offsets (start_pos > 0, mid-block), decodes, sliding windows and soft caps.
 
 Tolerances, against the fp32 reference on the same pages (the pages hold identical bytes, so only
@@ -142,7 +143,8 @@ def test_pages_read_as_stored(backend, name, block_size):
 
 
 @pytest.mark.parametrize("name", KV_DTYPES)
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 128), (16, 2, 64), (6, 3, 16)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 128), (16, 2, 64), (20, 2, 64),
+                                                      (6, 3, 16)])
 def test_gqa_ratios_and_head_dims(backend, name, heads, kv_heads, head_dim):
     run_case(backend, name, [(0, 1), (40, 1), (0, 20), (9, 12)], heads, kv_heads, head_dim,
              32, torch.float32, seed=heads + head_dim)

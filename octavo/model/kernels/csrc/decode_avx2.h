@@ -2,9 +2,7 @@
 // -mf16c; cpu_ops.py). The same algorithm as decode_avx512.h with 8 keys at a time: for each
 // query head, the 8 dot products of a chunk are 8 vectors of partial sums folded into one
 // vector of 8 scores by a horizontal-add tree, exp() runs on 8 lanes, and the V rows accumulate
-// into fp32 registers. K/V rows are read and widened to fp32 straight from the cache blocks;
-// quantized rows (kv_rows.h) widen from int8 or, through F16C, from fp8, and their scales
-// multiply the 8 scores and the 8 softmax weights.
+// into fp32 registers. K/V rows are read and widened to fp32 straight from the cache blocks.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -13,7 +11,6 @@
 #include <c10/util/BFloat16.h>
 
 #include "block_prefetch.h"
-#include "kv_rows.h"
 
 #include <cmath>
 #include <cstdint>
@@ -25,27 +22,6 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-// 8 values of a cache row widened to fp32, unscaled (kv_rows.h)
-template <typename KV>
-inline __m256 kv_load8(const typename KV::S* p) {
-  if constexpr (std::is_same_v<KV, Int8KV>) {
-    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-  } else if constexpr (std::is_same_v<KV, Fp8E4M3KV> || std::is_same_v<KV, Fp8E5M2KV>) {
-    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    __m128i h;
-    if constexpr (std::is_same_v<KV, Fp8E4M3KV>) {
-      h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
-                       _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7));
-    } else {
-      h = _mm_slli_epi16(x, 8);
-    }
-    return _mm256_cvtph_ps(h);
-  } else {
-    return load8(p);
-  }
 }
 
 // exp for 8 lanes, the same polynomial as exp_approx (vec_math.h); lanes below -87.3 give 0.
@@ -95,26 +71,21 @@ inline float reduce_add8(__m256 v) {
 
 // One sequence: keys at table slots lo..len-1. q: [num_heads, HD] already scaled, fp32. State
 // per query head in m, l, acc. softcap 0: none. row: elements between slots in the cache (the
-// cache's KV heads x their rows; more than num_kv_heads rows where the caller passes a subset
-// of the KV heads, with k_cache / v_cache pointing at the first of them). k_hs / v_hs: per KV
-// head, its fp8 scale times kUnit (kv_rows.h's head_scale).
-template <typename T, typename KV, int HD>
-void decode_seq_avx2(const float* q, const typename KV::S* k_cache,
-                     const typename KV::S* v_cache, const int64_t* table, int64_t lo,
-                     int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t row,
-                     int64_t block_size, float softcap, const float* k_hs, const float* v_hs,
-                     float* m, float* l, float* acc, T* out) {
-  using S = typename KV::S;
+// cache's KV heads x HD; more than num_kv_heads x HD where the caller passes a subset of the
+// KV heads, with k_cache / v_cache pointing at the first of them).
+template <typename T, int HD>
+void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                     int64_t lo, int64_t len, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t row, int64_t block_size, float softcap, float* m, float* l,
+                     float* acc, T* out) {
   constexpr int C = HD / 8;
-  constexpr int64_t HS = HD + KV::kExtra;  // elements between a slot's KV heads
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_elems = block_size * row;
-  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(S));
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t h = 0; h < num_heads; ++h) m[h] = neg_inf, l[h] = 0.f;
   for (int64_t i = 0; i < num_heads * HD; ++i) acc[i] = 0.f;
   alignas(32) float buf[8];
-  alignas(32) float ks[8] = {}, vs[8] = {};  // the chunk's rows' scales
   const int64_t nblocks = (len + block_size - 1) / block_size;
   const int64_t j0 = lo / block_size;
   // the next block is prefetched a slice after each query head's scores (block_prefetch.h)
@@ -125,35 +96,26 @@ void decode_seq_avx2(const float* q, const typename KV::S* k_cache,
     const int64_t block_len = std::min(block_size, len - j * block_size);
     for (int64_t t0 = j == j0 ? lo % block_size : 0; t0 < block_len; t0 += 8) {
       const int n = static_cast<int>(std::min<int64_t>(8, block_len - t0));
-      const S* kb = k_cache + table[j] * block_elems + t0 * row;
-      const S* vb = v_cache + table[j] * block_elems + t0 * row;
+      const T* kb = k_cache + table[j] * block_elems + t0 * row;
+      const T* vb = v_cache + table[j] * block_elems + t0 * row;
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        const S* kh = kb + kvh * HS;
-        const S* vh = vb + kvh * HS;
-        if constexpr (KV::kQuant) {
-          for (int t = 0; t < n; ++t) {
-            ks[t] = row_scale<KV>(kh + t * row, HD, k_hs[kvh]);
-            vs[t] = row_scale<KV>(vh + t * row, HD, v_hs[kvh]);
-          }
-        }
+        const T* kh = kb + kvh * HD;
+        const T* vh = vb + kvh * HD;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t head = kvh * group + g;
           const float* qh = q + head * HD;
           __m256 part[8];
           for (int t = 0; t < 8; ++t) {
             if (t < n) {
-              __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qh), kv_load8<KV>(kh + t * row));
+              __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kh + t * row));
               for (int c = 1; c < C; ++c)
-                s = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c),
-                                    kv_load8<KV>(kh + t * row + 8 * c), s);
+                s = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), load8(kh + t * row + 8 * c), s);
               part[t] = s;
             } else {
               part[t] = _mm256_setzero_ps();
             }
           }
           _mm256_store_ps(buf, sum_lanes8(part));
-          if constexpr (KV::kQuant)
-            for (int t = 0; t < n; ++t) buf[t] *= ks[t];
           for (int t = 0; t < 8; ++t)
             buf[t] = t >= n ? neg_inf : (softcap > 0.f ? softcap * std::tanh(buf[t] / softcap)
                                                        : buf[t]);
@@ -173,9 +135,9 @@ void decode_seq_avx2(const float* q, const typename KV::S* k_cache,
           __m256 av[C];
           for (int c = 0; c < C; ++c) av[c] = _mm256_loadu_ps(a + 8 * c);
           for (int t = 0; t < n; ++t) {
-            const __m256 pt = _mm256_set1_ps(KV::kQuant ? buf[t] * vs[t] : buf[t]);
+            const __m256 pt = _mm256_set1_ps(buf[t]);
             for (int c = 0; c < C; ++c)
-              av[c] = _mm256_fmadd_ps(pt, kv_load8<KV>(vh + t * row + 8 * c), av[c]);
+              av[c] = _mm256_fmadd_ps(pt, load8(vh + t * row + 8 * c), av[c]);
           }
           for (int c = 0; c < C; ++c) _mm256_storeu_ps(a + 8 * c, av[c]);
         }

@@ -3,9 +3,7 @@
 // are 16 vectors of partial sums folded into one vector of 16 scores by a transpose-and-add tree
 // (no horizontal sum per key), exp() runs on all 16 lanes at once; then the V rows are read once
 // for the query heads of a GQA group (up to 4 at a time) and accumulated into register-resident
-// fp32 accumulators. K/V rows are read and widened to fp32 straight from the cache blocks;
-// quantized rows (kv_rows.h) widen from int8 or, through F16C, from fp8, and their scales
-// multiply the 16 scores and the softmax weights.
+// fp32 accumulators. K/V rows are read and widened to fp32 straight from the cache blocks.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -14,7 +12,6 @@
 #include <c10/util/BFloat16.h>
 
 #include "block_prefetch.h"
-#include "kv_rows.h"
 
 #include <cmath>
 #include <cstdint>
@@ -26,27 +23,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// 16 values of a cache row widened to fp32, unscaled (kv_rows.h)
-template <typename KV>
-inline __m512 kv_load16(const typename KV::S* p) {
-  if constexpr (std::is_same_v<KV, Int8KV>) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-  } else if constexpr (std::is_same_v<KV, Fp8E4M3KV> || std::is_same_v<KV, Fp8E5M2KV>) {
-    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    __m256i h;
-    if constexpr (std::is_same_v<KV, Fp8E4M3KV>) {
-      h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                          _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
-    } else {
-      h = _mm256_slli_epi16(x, 8);
-    }
-    return _mm512_cvtph_ps(h);
-  } else {
-    return load16(p);
-  }
 }
 
 // exp for 16 lanes, the same polynomial as exp_approx (vec_math.h); lanes below -87.3 give 0.
@@ -95,22 +71,21 @@ inline __m512 softcap16(__m512 s, int n, float cap) {
   return _mm512_load_ps(buf);
 }
 
-// acc[h] += sum_t p[h][t] * vs[t] * v_t for HN query heads sharing one KV head: each V row is
-// loaded once for all of them, and the HN * HD / 16 accumulators are independent FMA chains
-// (one head alone is HD / 16 chains of n dependent FMAs, bound by their latency). Each head's
-// sum runs over t in order, as one head at a time would. vs: the rows' scales (quantized rows).
-template <typename KV, int HD, int HN>
-inline void accumulate_v(const typename KV::S* vh, int64_t row, int n, const float (*p)[16],
-                         const float* vs, float* const* a) {
+// acc[h] += sum_t p[h][t] * v_t for HN query heads sharing one KV head: each V row is loaded
+// once for all of them, and the HN * HD / 16 accumulators are independent FMA chains (one head
+// alone is HD / 16 chains of n dependent FMAs, bound by their latency). Each head's sum runs
+// over t in order, as one head at a time would.
+template <typename T, int HD, int HN>
+inline void accumulate_v(const T* vh, int64_t row, int n, const float (*p)[16], float* const* a) {
   constexpr int C = HD / 16;
   __m512 av[HN][C];
   for (int h = 0; h < HN; ++h)
     for (int c = 0; c < C; ++c) av[h][c] = _mm512_loadu_ps(a[h] + 16 * c);
   for (int t = 0; t < n; ++t) {
     __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = kv_load16<KV>(vh + t * row + 16 * c);
+    for (int c = 0; c < C; ++c) vv[c] = load16(vh + t * row + 16 * c);
     for (int h = 0; h < HN; ++h) {
-      const __m512 pt = _mm512_set1_ps(KV::kQuant ? p[h][t] * vs[t] : p[h][t]);
+      const __m512 pt = _mm512_set1_ps(p[h][t]);
       for (int c = 0; c < C; ++c) av[h][c] = _mm512_fmadd_ps(pt, vv[c], av[h][c]);
     }
   }
@@ -120,28 +95,23 @@ inline void accumulate_v(const typename KV::S* vh, int64_t row, int n, const flo
 
 // One sequence: keys at table slots lo..len-1. q: [num_heads, HD] already scaled, fp32. State
 // per query head in m, l, acc. softcap 0: none. row: elements between slots in the cache (the
-// cache's KV heads x their rows; more than num_kv_heads rows where the caller passes a subset
-// of the KV heads, with k_cache / v_cache pointing at the first of them). k_hs / v_hs: per KV
-// head, its fp8 scale times kUnit (kv_rows.h's head_scale).
-template <typename T, typename KV, int HD>
-void decode_seq_avx512(const float* q, const typename KV::S* k_cache,
-                       const typename KV::S* v_cache, const int64_t* table, int64_t lo,
-                       int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t row,
-                       int64_t block_size, float softcap, const float* k_hs, const float* v_hs,
-                       float* m, float* l, float* acc, T* out) {
-  using S = typename KV::S;
+// cache's KV heads x HD; more than num_kv_heads x HD where the caller passes a subset of the
+// KV heads, with k_cache / v_cache pointing at the first of them).
+template <typename T, int HD>
+void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                       int64_t lo, int64_t len, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t row, int64_t block_size, float softcap, float* m, float* l,
+                       float* acc, T* out) {
   constexpr int C = HD / 16;
-  constexpr int64_t HS = HD + KV::kExtra;  // elements between a slot's KV heads
   constexpr int HB = C >= 16 ? 1 : C >= 8 ? 2 : 4;  // heads per V pass: <= 16 accumulators
   constexpr int64_t kGroupBatch = 16;  // query heads of a KV head scored per pass
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_elems = block_size * row;
-  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(S));
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t h = 0; h < num_heads; ++h) m[h] = neg_inf, l[h] = 0.f;
   for (int64_t i = 0; i < num_heads * HD; ++i) acc[i] = 0.f;
   alignas(64) float p_buf[kGroupBatch][16];
-  alignas(64) float ks[16] = {}, vs[16] = {};  // the chunk's rows' scales
   const int64_t nblocks = (len + block_size - 1) / block_size;
   const int64_t j0 = lo / block_size;
   // The next block is prefetched while this one is computed, a slice of its lines after each
@@ -156,17 +126,11 @@ void decode_seq_avx512(const float* q, const typename KV::S* k_cache,
     for (int64_t t0 = j == j0 ? lo % block_size : 0; t0 < block_len; t0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, block_len - t0));
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
-      const S* kb = k_cache + table[j] * block_elems + t0 * row;
-      const S* vb = v_cache + table[j] * block_elems + t0 * row;
+      const T* kb = k_cache + table[j] * block_elems + t0 * row;
+      const T* vb = v_cache + table[j] * block_elems + t0 * row;
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        const S* kh = kb + kvh * HS;
-        const S* vh = vb + kvh * HS;
-        if constexpr (KV::kQuant) {
-          for (int t = 0; t < n; ++t) {
-            ks[t] = row_scale<KV>(kh + t * row, HD, k_hs[kvh]);
-            vs[t] = row_scale<KV>(vh + t * row, HD, v_hs[kvh]);
-          }
-        }
+        const T* kh = kb + kvh * HD;
+        const T* vh = vb + kvh * HD;
         for (int64_t g0 = 0; g0 < group; g0 += kGroupBatch) {
           const int64_t gn = std::min(kGroupBatch, group - g0);
           // the scores of this chunk for each query head, then its softmax weights p_buf
@@ -177,16 +141,15 @@ void decode_seq_avx512(const float* q, const typename KV::S* k_cache,
             __m512 part[16];
             for (int t = 0; t < 16; ++t) {
               if (t < n) {
-                __m512 s = _mm512_mul_ps(qv[0], kv_load16<KV>(kh + t * row));
+                __m512 s = _mm512_mul_ps(qv[0], load16(kh + t * row));
                 for (int c = 1; c < C; ++c)
-                  s = _mm512_fmadd_ps(qv[c], kv_load16<KV>(kh + t * row + 16 * c), s);
+                  s = _mm512_fmadd_ps(qv[c], load16(kh + t * row + 16 * c), s);
                 part[t] = s;
               } else {
                 part[t] = _mm512_setzero_ps();
               }
             }
             __m512 dots = sum_lanes16(part);
-            if constexpr (KV::kQuant) dots = _mm512_mul_ps(dots, _mm512_load_ps(ks));
             if (softcap > 0.f) dots = softcap16(dots, n, softcap);
             const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, dots);
             const float block_max = _mm512_reduce_max_ps(scores);
@@ -209,10 +172,10 @@ void decode_seq_avx512(const float* q, const typename KV::S* k_cache,
             for (int h = 0; h < hn; ++h) a[h] = acc + (kvh * group + g0 + gi + h) * HD;
             const float(*p)[16] = p_buf + gi;
             switch (hn) {  // hn <= HB
-              case 1: accumulate_v<KV, HD, 1>(vh, row, n, p, vs, a); break;
-              case 2: if constexpr (HB >= 2) accumulate_v<KV, HD, 2>(vh, row, n, p, vs, a); break;
-              case 3: if constexpr (HB >= 3) accumulate_v<KV, HD, 3>(vh, row, n, p, vs, a); break;
-              default: if constexpr (HB >= 4) accumulate_v<KV, HD, 4>(vh, row, n, p, vs, a); break;
+              case 1: accumulate_v<T, HD, 1>(vh, row, n, p, a); break;
+              case 2: if constexpr (HB >= 2) accumulate_v<T, HD, 2>(vh, row, n, p, a); break;
+              case 3: if constexpr (HB >= 3) accumulate_v<T, HD, 3>(vh, row, n, p, a); break;
+              default: if constexpr (HB >= 4) accumulate_v<T, HD, 4>(vh, row, n, p, a); break;
             }
           }
         }

@@ -17,7 +17,8 @@
 //
 // Quantized pages (kv_rows.h): int8 or fp8 rows are widened in registers, unscaled, and each
 // row's scale multiplies its dot product (K) or its softmax weight (V), so the step reads the
-// cache's 8-bit bytes and nothing else; everything still accumulates in fp32.
+// cache's 8-bit bytes and nothing else; everything still accumulates in fp32. Their SIMD paths
+// (decode_quant_avx2.h, decode_quant_avx512.h) widen each value once for its whole GQA group.
 //
 // Three builds of this file exist (cpu_ops.py): with AVX-512 (decode_avx512.h, 16 keys at a
 // time), with AVX2 + FMA (decode_avx2.h, 8 keys at a time) and portable (the loops below).
@@ -29,6 +30,8 @@
 #include "vec_math.h"
 #include "decode_avx2.h"
 #include "decode_avx512.h"
+#include "decode_quant_avx2.h"
+#include "decode_quant_avx512.h"
 
 #include <algorithm>
 #include <atomic>
@@ -89,6 +92,7 @@ void decode_kernel(const T* q, const typename KV::S* k_cache, const typename KV:
     std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim);
     std::vector<float> mx(num_heads), sum(num_heads), scores(num_heads * block_size);
     std::vector<float> kbuf(head_dim), vbuf(head_dim), khs(num_kv_heads), vhs(num_kv_heads);
+    std::vector<float> work(KV::kQuant ? 272 * group : 0);  // the quantized SIMD paths' scratch
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
       const int64_t b = order[i / per_seq];
       // this item's KV heads kv0.. and their query heads h0..; K/V rows stay `row` apart
@@ -110,15 +114,24 @@ void decode_kernel(const T* q, const typename KV::S* k_cache, const typename KV:
       const T* qb = q + (b * num_heads + h0) * head_dim;
       for (int64_t i = 0; i < nh * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
 #if defined(OCTAVO_HAVE_AVX512_DECODE) || defined(OCTAVO_HAVE_AVX2_DECODE)
-      if constexpr (HD != 0 && (KV::kQuant || std::is_same_v<T, float> ||
-                                std::is_same_v<T, c10::BFloat16>)) {
+      if constexpr (HD != 0 && KV::kQuant) {
 #ifdef OCTAVO_HAVE_AVX512_DECODE
-        octavo::decode_seq_avx512<T, KV, HD>(
+        octavo::decode_seq_quant_avx512<T, KV, HD>(
 #else
-        octavo::decode_seq_avx2<T, KV, HD>(
+        octavo::decode_seq_quant_avx2<T, KV, HD>(
 #endif
             qf.data(), kc, vc, table, lo, len, nh, nkv, row, block_size, softcap, khs.data(),
-            vhs.data(), mx.data(), sum.data(), acc.data(), ob);
+            vhs.data(), mx.data(), sum.data(), acc.data(), work.data(), ob);
+        continue;
+      } else if constexpr (HD != 0 && (std::is_same_v<T, float> ||
+                                       std::is_same_v<T, c10::BFloat16>)) {
+#ifdef OCTAVO_HAVE_AVX512_DECODE
+        octavo::decode_seq_avx512<T, HD>(
+#else
+        octavo::decode_seq_avx2<T, HD>(
+#endif
+            qf.data(), kc, vc, table, lo, len, nh, nkv, row, block_size, softcap, mx.data(),
+            sum.data(), acc.data(), ob);
         continue;
       }
 #endif
