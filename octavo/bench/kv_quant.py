@@ -9,10 +9,10 @@ and the mean KL(p_auto || p_quant). The issue's bars: top-1 >= 99% for int8, >= 
 fp8_e4m3.
 
 Speed: long-context decode, where a step is bound by reading K/V: one sequence at an 8k context
-and 16 sequences at 2k (the 16 x 2k case is skipped with --quick), random token prompts. Each
-engine prefills, then decode steps are timed in 3 windows of WINDOW_STEPS steps after a warm-up
-window; tok/s is the median window's. The model-dtype pages and each quantized format run one
-after the other in this process, with the CPU's flags and the kernel path recorded.
+and 16 sequences at 2k (the 16 x 2k case is skipped with --quick), random token prompts. One
+engine per KV format prefills the same prompts, then their decode steps are timed in 3 windows
+of WINDOW_STEPS steps after a warm-up window, interleaved between the engines; tok/s is the
+median window's. The CPU's flags and each engine's kernel path are recorded.
 """
 
 from __future__ import annotations
@@ -62,45 +62,56 @@ def model_max_len(model: str | None) -> int:
     return ModelConfig.from_dir(resolve_model_dir(model)).max_len[0]
 
 
-def decode_speed(opts: BenchOptions, kv_cache_dtype: str, num_seqs: int, context: int
-                 ) -> dict[str, Any]:
-    """Decode tok/s of `num_seqs` sequences whose prompts are `context` tokens long."""
+def decode_speeds(opts: BenchOptions, formats: tuple[str, ...], num_seqs: int, context: int
+                  ) -> list[dict[str, Any]]:
+    """Decode tok/s of `num_seqs` sequences whose prompts are `context` tokens long, one engine
+    per KV format, all prefilled first, then their timed windows interleaved (window w of every
+    engine before window w + 1 of any), so that a machine whose speed drifts favours none."""
     vocab = workloads.SMOLLM2_VOCAB if not opts.model else 256
     steps = WINDOW_STEPS * (WINDOWS + 1)
     context = min(context, model_max_len(opts.model) - steps - 2)  # a small --model
     total = context + steps + 2
     blocks = num_seqs * -(-total // 16) + 4
-    llm = make_llm(opts.model, overrides=opts.engine_overrides, dtype=opts.dtypes[0],
-                   kv_cache_dtype=kv_cache_dtype, num_kv_blocks=blocks, max_model_len=total,
-                   max_num_seqs=max(num_seqs, 1))
-    engine = llm.engine
     rng = random.Random(opts.seed)
-    for i in range(num_seqs):
-        prompt = [rng.randrange(vocab) for _ in range(context)]
-        engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, greedy_params(steps + 2))
-    started: set[str] = set()
-    t0 = time.perf_counter()
-    while len(started) < num_seqs:  # every prompt prefilled: the next steps are all decodes
-        for out in engine.step():
-            if out.outputs[0].token_ids:
-                started.add(out.request_id)
-    prefill_s = time.perf_counter() - t0
-    rates = []
+    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(num_seqs)]
+    runs = []
+    for name in formats:
+        llm = make_llm(opts.model, overrides=opts.engine_overrides, dtype=opts.dtypes[0],
+                       kv_cache_dtype=name, num_kv_blocks=blocks, max_model_len=total,
+                       max_num_seqs=max(num_seqs, 1))
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, greedy_params(steps + 2))
+        started: set[str] = set()
+        t0 = time.perf_counter()
+        while len(started) < num_seqs:  # every prompt prefilled: the next steps are decodes
+            for out in engine.step():
+                if out.outputs[0].token_ids:
+                    started.add(out.request_id)
+        runs.append({"llm": llm, "kv_cache_dtype": name, "rates": [],
+                     "prefill_s": time.perf_counter() - t0})
     for w in range(WINDOWS + 1):
-        t = time.perf_counter()
-        for _ in range(WINDOW_STEPS):
-            engine.step()
-        if w:  # the first window warms up
-            rates.append(num_seqs * WINDOW_STEPS / (time.perf_counter() - t))
-    for i in range(num_seqs):
-        engine.abort_request(f"s{i}")
-    result = {"kv_cache_dtype": kv_cache_dtype, "num_seqs": num_seqs, "context": context,
-              "decode_tok_s": median(rates), "windows_tok_s": [round(r, 2) for r in rates],
-              "prefill_s": prefill_s, "kv_bytes_per_token": llm.stats()["kv_bytes_per_token"],
-              "kernel_path": engine.kernel_path()}
-    del llm, engine
+        for r in runs:
+            engine = r["llm"].engine
+            t = time.perf_counter()
+            for _ in range(WINDOW_STEPS):
+                engine.step()
+            if w:  # the first window warms up
+                r["rates"].append(num_seqs * WINDOW_STEPS / (time.perf_counter() - t))
+    results = []
+    for r in runs:
+        llm = r.pop("llm")
+        for i in range(num_seqs):
+            llm.engine.abort_request(f"s{i}")
+        results.append({"kv_cache_dtype": r["kv_cache_dtype"], "num_seqs": num_seqs,
+                        "context": context, "decode_tok_s": median(r["rates"]),
+                        "windows_tok_s": [round(x, 2) for x in r["rates"]],
+                        "prefill_s": r["prefill_s"],
+                        "kv_bytes_per_token": llm.stats()["kv_bytes_per_token"],
+                        "kernel_path": llm.engine.kernel_path()})
+        del llm
     gc.collect()
-    return result
+    return results
 
 
 def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
@@ -128,8 +139,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
     gc.collect()
     cases = [(1, opts.pick(2048, 8128))] + ([] if opts.quick else [(16, 2000)])
     for num_seqs, context in cases:
-        for name in SPEED_FORMATS:
-            results["speed"].append(decode_speed(opts, name, num_seqs, context))
+        results["speed"] += decode_speeds(opts, SPEED_FORMATS, num_seqs, context)
     md = [md_table(
         ["kv_cache_dtype", "bytes/token", "x auto", "top-1 agreement % (20 x 128)", "bar",
          "mean KL", "max KL"],
