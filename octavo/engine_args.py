@@ -56,6 +56,12 @@ def _speculative(v: dict | None) -> str | None:
     return None
 
 
+def _redis_url(v: str | None) -> str | None:
+    if v is None or v.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    return f"must be a redis://, rediss:// or unix:// URL, got {v!r}"
+
+
 def _device(v: str) -> str | None:
     return None if _DEVICE.match(v) else f"must be 'cpu', 'cuda' or 'cuda:N', got {v!r}"
 
@@ -84,8 +90,9 @@ class EngineArgs:
     gpu_memory_utilization: float = _opt(
         0.9, "share of the GPU's memory the engine may use, weights included", check=_fraction)
     swap_space: float | None = _opt(
-        None, "host memory for swapped-out KV blocks, GiB (default: as many host blocks as "
-        "device blocks with preemption_mode=swap, else none)", check=_at_least(0))
+        None, "host memory for swapped-out KV blocks, GiB (default with preemption_mode=swap: "
+        "4, as vLLM, and at most as many blocks as the device has; else none)",
+        check=_at_least(0))
     kv_cache_dtype: str = _opt(
         "auto", "how K/V are stored: auto (the model dtype), int8 (symmetric, an fp32 scale per "
         "token and KV head in the page), fp8 / fp8_e4m3 / fp8_e5m2 (float8 with a scale per "
@@ -93,6 +100,22 @@ class EngineArgs:
         "at start-up); 8-bit pages hold about twice the tokens of bf16 ones",
         choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of identical prompt prefixes")
+    kv_offload_dir: str | None = _opt(
+        None, "a directory for the KV tier below the pool: full prefix-cache blocks are "
+        "written there in the background, and a prefix the pool no longer holds is loaded back "
+        "instead of recomputed; it outlives the server, and several servers of the same model "
+        "may share it")
+    kv_offload_url: str | None = _opt(
+        None, "a remote KV tier instead of a directory, for servers on several machines: "
+        "redis://host:port/db (Redis or Valkey; bound it with the server's maxmemory and "
+        "maxmemory-policy allkeys-lru)", check=_redis_url)
+    kv_offload_bytes: int | None = _opt(
+        None, "the size bound of kv_offload_dir; the least recently used blocks go first "
+        "(default: 16 GiB)", check=_at_least(1))
+    kv_offload_write: str = _opt(
+        "free", "when a block goes to the KV tier: free (when its last request lets go of it: "
+        "a restart or another server finds it at once) or evict (only when the pool needs its "
+        "memory: fewer writes)", choices=("free", "evict"))
     kv_allocator: str = _opt(
         "paged", "paged, or the contiguous reserve-up-front baseline (for benchmarks)",
         choices=("paged", "contiguous"))
@@ -104,6 +127,13 @@ class EngineArgs:
     max_num_batched_tokens: int = _opt(
         2048, "tokens per engine step; longer prompts are prefilled in chunks",
         check=_at_least(1))
+    long_prefill_token_threshold: int = _opt(
+        0, "a prompt takes at most this many tokens of one step's budget (vLLM's name; 0: the "
+        "whole budget), so a long prefill cannot stretch the steps every decode waits for",
+        check=_at_least(0))
+    max_num_partial_prefills: int = _opt(
+        0, "prompts prefilled in the same step at most (vLLM's name; 0: as many as the budget "
+        "allows); the others wait, so the decodes' steps stay short", check=_at_least(0))
     preemption_mode: str = _opt("recompute", "what a preempted request gives up",
                                 choices=("recompute", "swap"))
     scheduling_policy: str = _opt("fcfs", "fcfs, or priority (lower value first)",
@@ -174,6 +204,7 @@ class EngineArgs:
             if self.tensor_parallel_size > 1:
                 raise EngineArgsError("quantization", "cannot be combined with "
                                       "tensor_parallel_size > 1 yet")
+        self._check_kv_offload()
         if self.tensor_parallel_size > 1:
             if self.distributed_executor_backend == "uni":
                 raise EngineArgsError("distributed_executor_backend", "uni runs one rank; "
@@ -183,6 +214,26 @@ class EngineArgs:
             if spec is not None and spec.method != "ngram":
                 raise EngineArgsError("speculative_config", f"method {spec.method!r} does not "
                                       "run with tensor_parallel_size > 1 yet (ngram does)")
+
+    def _check_kv_offload(self) -> None:
+        name = ("kv_offload_dir" if self.kv_offload_dir is not None
+                else "kv_offload_url" if self.kv_offload_url is not None else None)
+        if name is None:
+            if self.kv_offload_bytes is not None:
+                raise EngineArgsError("kv_offload_bytes", "bounds a KV tier directory: give "
+                                      "kv_offload_dir too")
+            return
+        if self.kv_offload_dir is not None and self.kv_offload_url is not None:
+            raise EngineArgsError("kv_offload_url", "give a KV tier directory or a URL, not "
+                                  "both")
+        if self.kv_offload_url is not None and self.kv_offload_bytes is not None:
+            raise EngineArgsError("kv_offload_bytes", "bounds a KV tier directory; a Redis or "
+                                  "Valkey tier is bounded by the server's maxmemory")
+        if not self.enable_prefix_caching or self.kv_allocator != "paged":
+            raise EngineArgsError(name, "the KV tier holds prefix-cache blocks: it needs "
+                                  "enable_prefix_caching and the paged KV cache")
+        if self.tensor_parallel_size > 1:
+            raise EngineArgsError(name, "cannot be combined with tensor_parallel_size > 1 yet")
 
     @property
     def executor_backend(self) -> str:
@@ -197,6 +248,8 @@ class EngineArgs:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
             scheduling_policy=self.scheduling_policy,

@@ -64,3 +64,11 @@ def worker_rendezvous() -> tuple[str, int, bytes]:
 def child_env(extra: Mapping[str, str]) -> dict[str, str]:
     """This process's environment with `extra` set: what a child process is started with."""
     return {**os.environ, **extra}
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """`$CUDA_VISIBLE_DEVICES` as a list of device ids (None: unset, every GPU is visible)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [d.strip() for d in value.split(",") if d.strip()]

@@ -83,6 +83,8 @@ class RequestProgress:
     metrics: dict[str, float | None]
     finished: bool
     finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0  # so far, over all its sequences
 
 
 @dataclass

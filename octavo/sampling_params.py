@@ -13,6 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+# The reasoning markers of thinking models (DeepSeek-R1, Qwen3): thinking_token_budget's default
+THINK_START, THINK_END = "<think>", "</think>"
+
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by a
 # near-zero temperature overflows, and the result is argmax anyway.
 SAMPLING_EPS = 1e-5
@@ -119,6 +122,13 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # A constraint the output follows: a JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # A reasoning budget (vLLM's thinking_token_budget, llama-server's --reasoning-budget):
+    # once the model has written this many tokens after the start-of-thinking marker without
+    # ending its reasoning, the end-of-thinking marker is forced, token by token. The markers'
+    # token ids default to those of "<think>" and "</think>" (the engine fills them in).
+    thinking_token_budget: int | None = None
+    think_start_token_ids: list[int] | None = None
+    think_end_token_ids: list[int] | None = None
     # Free-form arguments for custom logits processors (vLLM's extra_args).
     extra_args: dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -213,6 +223,18 @@ class SamplingParams:
         if self.bad_words is not None and not all(isinstance(w, str) and w.strip()
                                                   for w in self.bad_words):
             raise ValueError("bad_words must be a list of non-empty strings")
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget)
+            if self.thinking_token_budget < 0:
+                raise ValueError("thinking_token_budget must be non-negative, got "
+                                 f"{self.thinking_token_budget}")
+        for name in ("think_start_token_ids", "think_end_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None:
+                if not ids:
+                    raise ValueError(f"{name} must not be empty")
+                for token_id in ids:
+                    _check_int(name, token_id)
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")

@@ -103,6 +103,11 @@ class StepPlan:
     # reused in the same step).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The KV tier (paging/tier/): blocks whose bytes the runner copies out first of all, before
+    # anything this step writes over them (returned in RunnerOutput.saved_blocks, in this
+    # order), and (block id, bytes) loaded into fresh blocks after the swaps, before the forward.
+    tier_saves: list[int] = field(default_factory=list)
+    tier_loads: list[tuple[int, memoryview]] = field(default_factory=list)
     # Allowed tokens of the constrained sequences that sample (None: none is constrained).
     grammar_bitmask: GrammarBitmask | None = None
 
@@ -122,3 +127,5 @@ class RunnerOutput:
     logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
     # seq_id -> logprobs of the prompt tokens this step's chunk predicted
     prompt_logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
+    # the bytes of the plan's tier_saves blocks, in its order
+    saved_blocks: list[bytes] = field(default_factory=list)

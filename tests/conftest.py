@@ -6,13 +6,19 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# without a GPU the Triton kernels run in Triton's interpreter, which must be on before anything
-# imports triton (torch._dynamo does, by way of transformers); see octavo/model/triton_kernels
-if not __import__("torch").cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# The device the Triton tests hand their tensors to: cpu (Triton's interpreter) unless
+# OCTAVO_TEST_DEVICE says cuda (scripts/gpu_check.sh). The device decides the mode, never the
+# machine: Triton fixes it when it is first imported (torch._dynamo imports it, by way of
+# transformers), so it is set here, before any test module loads (octavo/model/kernels/triton).
+TEST_DEVICE = torch.device(os.environ.get("OCTAVO_TEST_DEVICE", "cpu"))
+if TEST_DEVICE.type not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"OCTAVO_TEST_DEVICE={TEST_DEVICE}: cpu or cuda")
+os.environ["TRITON_INTERPRET"] = "1" if TEST_DEVICE.type == "cpu" else "0"
+ON_CUDA = TEST_DEVICE.type == "cuda"
 
 TINY_CONFIG = dict(
     vocab_size=256,

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "concurrency": "octavo.bench.concurrency",
     "throughput": "octavo.bench.throughput",
     "serving": "octavo.bench.serving",
+    "serve-peers": "octavo.bench.serve_peers",
     "prefix": "octavo.bench.prefix",
     "sharing": "octavo.bench.sharing",
     "paging": "octavo.bench.paging_overhead",
@@ -40,6 +41,8 @@ BENCHMARKS = {
     "gpu": "octavo.bench.gpu",
     "quant": "octavo.bench.quant",
     "kvquant": "octavo.bench.kv_quant",
+    "kquant": "octavo.bench.kquant",
+    "kv_tier": "octavo.bench.kv_tier",
 }
 
 
@@ -69,6 +72,22 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="also measure this peer engine (throughput)")
     p.add_argument("--peer-python", default=None,
                    help="interpreter of the peer's separate venv, e.g. /tmp/vllm-venv/bin/python")
+    s = p.add_argument_group("serve-peers", "octavo serve against llama-server and vLLM's server")
+    s.add_argument("--llama-server", default=None, help="path of a llama-server binary")
+    s.add_argument("--llama-slots", type=int, default=16, help="llama-server's -np")
+    s.add_argument("--peer-gguf", default=None,
+                   help="the model's GGUF for llama-server (default: the embedded model's)")
+    s.add_argument("--peer-hf-dir", default=None,
+                   help="the model's HF directory for vLLM (default: the one octavo loads)")
+    s.add_argument("--peer-dtype", default="bfloat16", help="vLLM's --dtype")
+    s.add_argument("--kv-budget-mib", type=int, default=None,
+                   help="KV cache bytes every server gets (MiB; default 256, --quick 4)")
+    s.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="SLO: TTFT p90 limit")
+    s.add_argument("--slo-tpot-ms", type=float, default=150.0, help="SLO: TPOT p90 limit")
+    s.add_argument("--rates", type=float, nargs="+", default=None,
+                   help="offered request rates (req/s), rising")
+    s.add_argument("--cpus", default=None,
+                   help="CPU list every server is pinned to with taskset, e.g. 0-1")
     g = p.add_argument_group(
         "engine overrides", "applied to every octavo engine a benchmark builds, over the "
         "benchmark's own settings (model, dtype and seed are the flags above; the allocators "
@@ -85,6 +104,11 @@ def options(args: argparse.Namespace, argv: list[str]) -> BenchOptions:
                         num_requests=args.num_requests, workloads=args.workload or [],
                         peer=args.peer,
                         peer_python=args.peer_python, threads=args.threads, command=command,
+                        llama_server=args.llama_server, llama_slots=args.llama_slots,
+                        peer_gguf=args.peer_gguf, peer_hf_dir=args.peer_hf_dir,
+                        peer_dtype=args.peer_dtype, kv_budget_mib=args.kv_budget_mib,
+                        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                        rates=args.rates or [], cpus=args.cpus,
                         engine_overrides=engine_args.cli_overrides(args, BENCH_OWNED))
 
 

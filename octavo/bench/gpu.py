@@ -57,10 +57,12 @@ def decode_point(batch: int, context: int, heads: int, kv_heads: int, dim: int,
     this code, not a timing)."""
     from octavo.model.kernels.triton import triton_missing
 
-    assert triton_missing() is None, triton_missing()
+    dev = torch.device(device)
+    problem = triton_missing(dev.type)
+    if problem is not None:
+        raise RuntimeError(problem)
     from octavo.model.kernels.triton.decode import num_splits, paged_decode
 
-    dev = torch.device(device)
     timer = cuda_ms if dev.type == "cuda" else wall_ms
     gen = torch.Generator(device=dev).manual_seed(0)
     per_seq = -(-context // BLOCK_SIZE)

@@ -19,6 +19,17 @@ class BenchOptions:
     workloads: list[str] = field(default_factory=list)  # only these workloads (empty: all)
     peer: list[str] = field(default_factory=list)  # "vllm"
     peer_python: str | None = None
+    # serve-peers: the peers' binaries and models, the shared KV budget, the SLO, the rates
+    llama_server: str | None = None  # path of a llama-server binary
+    llama_slots: int = 16  # llama-server's -np
+    peer_gguf: str | None = None  # the model's GGUF for llama-server
+    peer_hf_dir: str | None = None  # the model's HF directory for vLLM
+    peer_dtype: str = "bfloat16"
+    kv_budget_mib: int | None = None
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 150.0
+    rates: list[float] = field(default_factory=list)
+    cpus: str | None = None  # taskset CPU list every server is pinned to
     threads: int = 1  # torch threads here and in the server / peer subprocesses
     command: str = ""  # the command line, recorded next to every result
     # engine options given on the command line, over each benchmark's own (EngineArgs names)

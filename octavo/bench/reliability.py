@@ -105,7 +105,7 @@ def body(i: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
 def pool_after(server: ServerProcess) -> dict[str, float]:
     m = server.wait_idle()
     return {"kv_blocks_used_after": m.get("octavo:kv_blocks_used", -1),
-            "running_after": m.get("octavo:num_requests_running", -1)}
+            "running_after": m.get("vllm:num_requests_running", -1)}
 
 
 def pool_ok(r: dict[str, Any]) -> bool:
@@ -184,7 +184,7 @@ def preemption(opts: BenchOptions, tmp: Path) -> list[dict[str, Any]]:
                 return await asyncio.gather(*(stream(c, b) for b in bodies))
 
         storm = asyncio.run(loaded())
-        preempted = server.metrics().get("octavo:num_preemptions_total", 0)
+        preempted = server.metrics().get("vllm:num_preemptions_total", 0)
         alone = [httpx.post(f"{server.url}/v1/completions", json=b, timeout=300).json()
                  for b in bodies]
         same = sum(1 for s, a in zip(storm, alone, strict=True)
@@ -207,7 +207,7 @@ def slow_clients(server: ServerProcess, opts: BenchOptions) -> list[dict[str, An
             tasks = [asyncio.create_task(stream(c, body(i, 4 * max_tokens),
                                                 read_delay=read_delay))
                      for i in range(others)]
-            while server.metrics().get("octavo:num_requests_running", 0) < others:
+            while server.metrics().get("vllm:num_requests_running", 0) < others:
                 await asyncio.sleep(0.05)
             probe = await stream(c, body(0, max_tokens))
             return gaps(probe["times"]), await asyncio.gather(*tasks)
@@ -380,7 +380,7 @@ def drain(opts: BenchOptions, tmp: Path) -> list[dict[str, Any]]:
         async def main() -> tuple[list[dict[str, Any]], int, int, int]:
             async with client(server) as c:
                 tasks = [asyncio.create_task(stream(c, body(i, max_tokens))) for i in range(n)]
-                while server.metrics().get("octavo:generation_tokens_total", 0) < n:
+                while server.metrics().get("vllm:generation_tokens_total", 0) < n:
                     await asyncio.sleep(0.05)
                 server.signal(signal.SIGTERM)
                 await asyncio.sleep(0.05)

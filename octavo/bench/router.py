@@ -14,7 +14,7 @@ Each policy runs the trace for `--repeats` rounds (default 3, 1 with --quick) on
 replicas, each round with fresh prefixes: one round's hit count swings with the order in which
 concurrent requests happen to reach the replicas.
 
-Reported: the replicas' own prefix-cache counters (`octavo:prefix_cache_hits_total`,
+Reported: the replicas' own prefix-cache counters (`vllm:prefix_cache_hits_total`,
 `..._queries_total`, summed over replicas), prefill tokens computed, requests per replica,
 throughput and TTFT from the client, and the router's estimate of the hit tokens.
 """
@@ -183,13 +183,13 @@ def run_policy(opts: BenchOptions, s: Setup, policy: str, repeats: int, tmp: Pat
                 return [a.get(key, 0.0) - b.get(key, 0.0)
                         for a, b in zip(after, before, strict=True)]
 
-            hits = delta("octavo:prefix_cache_hits_total")
-            queries = delta("octavo:prefix_cache_queries_total")
+            hits = delta("vllm:prefix_cache_hits_total")
+            queries = delta("vllm:prefix_cache_queries_total")
             rounds.append({
                 "policy": policy, "round": rep, "hit_tokens": sum(hits),
                 "query_tokens": sum(queries), "hit_tokens_per_replica": hits,
-                "prefill_computed": sum(delta("octavo:prompt_tokens_total")),
-                "preemptions": sum(delta("octavo:num_preemptions_total")),
+                "prefill_computed": sum(delta("vllm:prompt_tokens_total")),
+                "preemptions": sum(delta("vllm:num_preemptions_total")),
                 "requests_per_replica": [routed.get(r.url, 0.0) for r in replicas],
                 "router_estimate_hit_tokens": sum(estimate.values()),
                 "routing_reasons": {k: v for k, v in reasons.items() if v},
@@ -251,7 +251,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         f"`octavo router`; trace {wl.describe()}, all {len(wl)} requests sent at once in the "
         f"trace's shuffled order (streamed, ignore_eos); {repeats} round(s) per policy on the "
         "same replicas, each with fresh prefixes (seed + round). Hit tokens are the replicas' "
-        "own `octavo:prefix_cache_hits_total`, summed over replicas and rounds; rates and "
+        "own `vllm:prefix_cache_hits_total`, summed over replicas and rounds; rates and "
         "TTFT are medians over rounds.",
         "",
         md_table(["policy", "hit tokens", "per round", "hit rate", "prefill computed",

@@ -68,8 +68,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.metrics()
-            if (m.get("octavo:num_requests_running", 0) == 0
-                    and m.get("octavo:num_requests_waiting", 0) == 0
+            if (m.get("vllm:num_requests_running", 0) == 0
+                    and m.get("vllm:num_requests_waiting", 0) == 0
                     and m.get("octavo:kv_blocks_used", 0) == 0) or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)

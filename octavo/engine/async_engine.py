@@ -55,6 +55,8 @@ class ModelInfo:
     vocab_size: int
     max_num_seqs: int
     scheduling_policy: str
+    # the KV cache's settings under vLLM's CacheConfig names (`vllm:cache_config_info`)
+    cache_config: tuple[tuple[str, object], ...] = ()
 
 
 class RequestAbortedError(RuntimeError):
@@ -70,6 +72,9 @@ class OutputObserver(Protocol):
     thread-safe and quick); `prev_token_time`: its last_token_time at its previous step."""
 
     def on_progress(self, progress: RequestProgress, prev_token_time: float | None) -> None: ...
+
+    def on_step(self, num_tokens: int) -> None:
+        """After each step that ran, with the tokens it computed."""
 
 
 class RequestStream:
@@ -169,9 +174,20 @@ class AsyncLLMEngine:
                  thread: EngineThread | None = None) -> None:
         """`thread`: the thread that built `engine`, to step it on (None: a new thread)."""
         self.engine = engine
+        args = engine.args
+        cache = {
+            "block_size": args.block_size,
+            # how K/V are stored: the model dtype's name for auto, else int8 / fp8_e4m3 / ...
+            "cache_dtype": engine.stats().get("kv_cache_dtype", args.kv_cache_dtype),
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "num_gpu_blocks": engine.kv.num_blocks,
+            "num_cpu_blocks": getattr(getattr(engine.kv, "cpu_pool", None), "num_blocks", 0),
+            "swap_space": args.swap_space or 0,
+        }
         self.model_info = ModelInfo(engine.model_dir, engine.max_model_len,
-                                    engine.model_config.vocab_size, engine.args.max_num_seqs,
-                                    engine.args.scheduling_policy)
+                                    engine.model_config.vocab_size, args.max_num_seqs,
+                                    args.scheduling_policy, tuple(cache.items()))
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -387,6 +403,11 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(EngineStepError(f"engine step failed: {e}"))
             return
+        if self.observer is not None:
+            try:
+                self.observer.on_step(self.engine.last_step_tokens)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("output observer failed")
         for progress in self.engine.step_progress:
             rid = progress.request_id
             if rid not in self._streams:

@@ -23,6 +23,7 @@ from octavo.engine.executor import Executor, make_executor
 from octavo.engine.input_processor import InputProcessor, load_tokenizer
 from octavo.engine.kv_map import KVMapper
 from octavo.engine.kv_sizing import check_max_model_len, make_kv_manager, resolve_max_model_len
+from octavo.engine.kv_tier_setup import fingerprint, open_tier
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.request import Request
 from octavo.engine.scheduler import Scheduler
@@ -66,8 +67,13 @@ class LLMEngine:
                                                          "quantization_saved_bytes",
                                                          "kv_bytes_per_token")}
         self.model_stats["kv_cache_dtype"] = path.get("kv_cache_dtype", args.kv_cache_dtype)
+        self.tier = None
+        if args.kv_offload_dir is not None or args.kv_offload_url is not None:
+            fp = fingerprint(args, self.model_dir, self.model_config, path["dtype"],
+                             self.executor.kv_block_format())
+            self.tier = open_tier(args, fp)
         self.kv = make_kv_manager(args, blocks.num_blocks, blocks.num_host_blocks,
-                                  self.max_model_len, self.model_config)
+                                  self.max_model_len, self.model_config, self.tier)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         if self.executor.drafter is not None:
             self.scheduler.set_draft_token_share(self.executor.drafter.share)
@@ -80,6 +86,7 @@ class LLMEngine:
                                               self.max_model_len, hasher, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
+        self.last_step_tokens = 0  # tokens the last step computed (prefill and decode)
         self._kv_mapper: KVMapper | None = None  # made on the first kv_map() call
         freeze_gc_heap()  # start-up's objects: no full collection walks them (gc_heap.py)
 
@@ -115,6 +122,8 @@ class LLMEngine:
             return False
         self.scheduler.abort_request(request)
         self.output_processor.abort_request(request_id)
+        if not self.scheduler.has_unfinished() and not self.executor.dead:
+            self.flush_tier_saves()  # no step may come to copy out what it let go of
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -137,13 +146,30 @@ class LLMEngine:
             self.scheduler.step_failed(plan)
             raise
         self.scheduler.observe_step_time(plan, time.perf_counter() - started)
+        self.last_step_tokens = plan.num_tokens
         updates = self.scheduler.update_from_output(plan, out)
         self.scheduler.apply_text_stops(self.output_processor.process(updates))
         outputs = self.output_processor.make_outputs(updates)
         for progress in self.output_processor.progress:
             if progress.finished:
                 self.requests.pop(progress.request_id, None)
+        if not self.scheduler.has_unfinished():
+            self.flush_tier_saves()
         return outputs
+
+    def flush_tier_saves(self) -> None:
+        """Copy out the blocks waiting for the KV tier now (a plan with nothing else in it),
+        so that finished requests' blocks reach the tier while the engine idles."""
+        plan = self.scheduler.tier_flush_plan()
+        if plan is None:
+            return
+        try:
+            out = self.executor.execute(plan)
+        except Exception:
+            self.kv.tier_io_failed()
+            logger.exception("KV tier: copying blocks out failed; they stay in memory only")
+            return
+        self.kv.tier_io_done(out.saved_blocks)
 
     @property
     def step_progress(self) -> list[RequestProgress]:
@@ -151,9 +177,13 @@ class LLMEngine:
         return self.output_processor.progress
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (tensor parallelism), and give what start-up froze back
-        to the garbage collector."""
+        """Stop the executor's workers (tensor parallelism), let the KV tier's writer finish
+        (up to 10 s), and give what start-up froze back to the garbage collector."""
+        if self.tier is not None and not self.executor.dead:
+            self.flush_tier_saves()  # what the last aborts let go of
         self.executor.shutdown()
+        if self.tier is not None:
+            self.tier.close(timeout=10.0)
         gc.unfreeze()
 
     # ---- introspection --------------------------------------------------------------------

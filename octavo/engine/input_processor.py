@@ -16,7 +16,7 @@ from octavo.engine.beam_search import BeamSearchState, beam_sampling_params
 from octavo.engine.request import Request
 from octavo.engine.structured_output import StructuredOutputs
 from octavo.paging.block_hash import BlockHasher
-from octavo.sampling_params import BeamSearchParams, SamplingParams
+from octavo.sampling_params import THINK_END, THINK_START, BeamSearchParams, SamplingParams
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -86,6 +86,12 @@ class InputProcessor:
             if params.bad_words:
                 params.bad_words_token_ids = bad_words_token_ids(self.tokenizer,
                                                                  params.bad_words)
+            if params.thinking_token_budget is not None:
+                for name, marker in (("think_start_token_ids", THINK_START),
+                                     ("think_end_token_ids", THINK_END)):
+                    if getattr(params, name) is None:
+                        setattr(params, name, list(self.tokenizer.encode(
+                            marker, add_special_tokens=False)))
         request = Request(
             request_id=request_id,
             prompt=text,

@@ -11,6 +11,7 @@ from octavo.engine_args import EngineArgs
 from octavo.paging.allocator import KVAllocator
 from octavo.paging.baseline.contiguous import ContiguousAllocator
 from octavo.paging.kv_manager import KVCacheManager
+from octavo.paging.tier import KVTier
 
 
 def check_max_model_len(args: EngineArgs, model: ModelConfig) -> None:
@@ -39,7 +40,8 @@ def resolve_max_model_len(args: EngineArgs, model: ModelConfig, num_blocks: int)
 
 
 def make_kv_manager(args: EngineArgs, num_blocks: int, num_host_blocks: int,
-                    max_model_len: int, model: ModelConfig) -> KVAllocator:
+                    max_model_len: int, model: ModelConfig,
+                    tier: KVTier | None = None) -> KVAllocator:
     windows = model.kv_groups.windows
     if args.kv_allocator == "contiguous":
         if len(windows) > 1:
@@ -51,4 +53,4 @@ def make_kv_manager(args: EngineArgs, num_blocks: int, num_host_blocks: int,
                                    reserve=args.contiguous_reserve)
     return KVCacheManager(num_blocks, args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          num_cpu_blocks=num_host_blocks, windows=windows)
+                          num_cpu_blocks=num_host_blocks, windows=windows, tier=tier)

@@ -117,7 +117,9 @@ class OutputProcessor:
             else:
                 reason = request.seqs[0].finish_reason if request.seqs else None
             self.progress.append(RequestProgress(
-                request.request_id, _timestamps(request), request.is_finished, reason))
+                request.request_id, _timestamps(request), request.is_finished, reason,
+                len(request.prompt_token_ids),
+                sum(seq.num_output_tokens for seq in request.seqs)))
         return outputs
 
     def _add_tokens(self, state: _RequestState, seq: Sequence, tokens: list[int],

@@ -6,11 +6,15 @@ takes what the runner sampled and moves the sequences on.
 Every step builds one batch under a token budget (``max_num_batched_tokens``) and a sequence cap
 (``max_num_seqs``): running requests first, in rank order (their decode tokens, or the next
 chunk of a prompt), then requests swapped out earlier, then waiting prompts, a long prompt split
-over several steps. When blocks run out, the lowest-ranked running request (last arrived, or
-lowest priority under the priority policy) is preempted: its blocks are freed and it is
-recomputed later (cached prefix blocks make that cheap), or its blocks are swapped out to the
-host pool and back in later. Under the priority policy a waiting request that outranks running
-ones is admitted before them, preempting the lowest-ranked until it fits.
+over several steps. A running prompt's chunk leaves the budget the decodes ranked after it need:
+a long prefill never starves a stream of its next token. `long_prefill_token_threshold` caps one
+prompt's chunk per step and `max_num_partial_prefills` the prompts in one step (vLLM's names),
+which keeps steps short while prompts arrive: what protects time per output token. When blocks
+run out, the lowest-ranked running request (last arrived, or lowest priority under the priority
+policy) is preempted: its blocks are freed and it is recomputed later (cached prefix blocks make
+that cheap), or its blocks are swapped out to the host pool and back in later. Under the
+priority policy a waiting request that outranks running ones is admitted before them, preempting
+the lowest-ranked until it fits.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Scheduler:
         # requests that can never fit the KV cache, finished by schedule() and reported by the
         # next update_from_output (finish_reason "length")
         self._ignored: list[Request] = []
+        self._prefills_left = 0  # prompts this step may still take (see schedule)
         self.speculator = (None if config.speculative is None
                            else Speculator(config.speculative, config.max_model_len))
         if config.scheduling_policy == "priority":
@@ -120,6 +125,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def tier_flush_plan(self) -> StepPlan | None:
+        """A plan that only copies out the blocks waiting for the KV tier (an idle engine runs
+        it, so a finished request's blocks reach the tier without waiting for new work)."""
+        if not self.kv.has_tier_saves():
+            return None
+        plan = StepPlan()
+        plan.tier_saves, plan.tier_loads = self.kv.take_tier_io()
+        return plan
+
     @property
     def num_running_seqs(self) -> int:
         return sum(len(r.live_seqs) for r in self.running)
@@ -137,17 +151,24 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
+        self._prefills_left = self.config.max_num_partial_prefills or len(self.waiting) + len(
+            self.running) + len(self.swapped) + 1
         preempted_before = self.num_preemptions
         priority = self.config.scheduling_policy == "priority"
         priority_preemptions = 0
-        for request in list(self.running):  # rank order; preemption takes from the tail
+        # rank order (preemption takes from the tail); a prompt's chunk leaves the budget the
+        # decodes ranked after it need, so they all get their token this step
+        running = list(self.running)
+        decodes_after = self._decodes_after(running)
+        for i, request in enumerate(running):
             if budget <= 0:
                 break
             if priority and request.status is RequestStatus.RUNNING:
                 budget, n = self._admit_outranking(request, plan, budget)
                 priority_preemptions += n
             if request.status is RequestStatus.RUNNING:
-                budget = self._schedule_running(request, plan, budget)
+                reserved = min(decodes_after[i], budget) if self._in_prompt(request) else 0
+                budget = reserved + self._schedule_running(request, plan, budget - reserved)
 
         # After running requests had to give up blocks this step, nothing new starts: it would
         # only be preempted again. Swapped requests come back before waiting ones that rank
@@ -161,19 +182,47 @@ class Scheduler:
         ):
             self._admit_waiting(plan, budget)
         plan.block_copies = self.kv.take_block_copies()
+        plan.tier_saves, plan.tier_loads = self.kv.take_tier_io()
         plan.swap_out, self._swap_out = self._swap_out, []
         plan.finished_seq_ids, self._dropped = self._dropped, []
         self.peak_running_seqs = max(self.peak_running_seqs, self.num_running_seqs)
         return plan
 
+    @staticmethod
+    def _decodes_after(running: list[Request]) -> list[int]:
+        """Per running request, the decoding sequences of the requests ranked after it."""
+        after, total = [], 0
+        for request in reversed(running):
+            after.append(total)
+            total += sum(seq.num_new_tokens == 1 for seq in request.live_seqs)
+        return after[::-1]
+
+    @staticmethod
+    def _in_prompt(request: Request) -> bool:
+        """Whether a running request still has more than its next token to compute (a prompt,
+        or the recomputation after a preemption)."""
+        return any(seq.num_new_tokens > 1 for seq in request.live_seqs)
+
+    def _prefill_chunk(self, num_new_tokens: int, budget: int) -> int:
+        """The tokens a prompt's chunk takes this step: its budget share, 0 when this step's
+        prompts are all taken (max_num_partial_prefills)."""
+        if num_new_tokens <= 1:
+            return min(num_new_tokens, budget)
+        if self._prefills_left <= 0:
+            return 0
+        limit = self.config.long_prefill_token_threshold
+        return min(num_new_tokens, budget, limit) if limit else min(num_new_tokens, budget)
+
     def _schedule_running(self, request: Request, plan: StepPlan, budget: int) -> int:
         slots: list[Slot] = []
         drafts: dict[int, tuple[list[int], int]] = {}
+        prompt = False
         for seq in request.live_seqs:
             left = budget - sum(s[2] for s in slots) - sum(d[1] for d in drafts.values())
-            n = min(seq.num_new_tokens, left)
+            n = self._prefill_chunk(seq.num_new_tokens, left)
             if n <= 0:
                 continue
+            prompt = prompt or n > 1
             start = seq.num_computed_tokens
             new = None
             draft = self._propose(seq, left - 1) if n == seq.num_new_tokens == 1 else ([], 0)
@@ -197,6 +246,8 @@ class Scheduler:
             slots.append((seq, start, n, new))
         for slot in slots:
             self._emit(request, *slot, plan, drafts.get(slot[0].seq_id))
+        if prompt and slots:
+            self._prefills_left -= 1
         return budget - sum(s[2] for s in slots) - sum(d[1] for d in drafts.values())
 
     def _propose(self, seq: Sequence, room: int) -> tuple[list[int], int]:
@@ -287,9 +338,13 @@ class Scheduler:
         max_seqs = max(len(request.live_seqs), request.max_seqs)
         if self.running and self._num_seq_slots() + max_seqs > self.config.max_num_seqs:
             return None
+        if self._prefills_left <= 0:  # this step's prompts are taken (max_num_partial_prefills)
+            return None
         slots = self._allocate(request, budget)
         if slots is None:
             return None
+        if any(n for _, _, n, _ in slots):
+            self._prefills_left -= 1
         assert self.waiting[0] is request
         self.waiting.pop(0)
         request.status = RequestStatus.RUNNING
@@ -309,6 +364,8 @@ class Scheduler:
             seq.reserve_tokens = reserve  # the contiguous baseline reserves it up front
             cached = self.kv.get_computed_blocks(seq) if use_cache else None
             n = min(len(seq.token_ids) - (cached.num_tokens if cached else 0), budget)
+            if self.config.long_prefill_token_threshold:
+                n = min(n, self.config.long_prefill_token_threshold)
             new = None
             if n > 0:
                 new = self.kv.allocate_slots(seq, n, cached)
@@ -412,6 +469,7 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, out: RunnerOutput) -> list[RequestUpdate]:
         """Append what the runner sampled, finish what tokens alone finish (EOS, stop token ids,
         length: their blocks go back at once), take the beam steps; one update per request."""
+        self.kv.tier_io_done(out.saved_blocks)
         now = time.monotonic()
         updates: dict[str, RequestUpdate] = {}
 
@@ -515,6 +573,7 @@ class Scheduler:
         cache but never computed, so nobody may hit them (the caller aborts the requests)."""
         for chunk in plan.chunks:
             self.kv.uncache_from(chunk.seq_id, chunk.start_pos)
+        self.kv.tier_io_failed()  # so were blocks it was to load from the KV tier
         self._dropped.extend(plan.finished_seq_ids)  # the runner may not have seen them
 
     # ---- freeing --------------------------------------------------------------------------

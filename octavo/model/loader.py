@@ -1,5 +1,7 @@
-"""Building a model from its directory: the family's class created on the meta device, its
-weights loaded (this rank's slice of them under tensor parallelism), quantized or kept in their
+"""Building a model from its directory: the family's class created on the meta device in its
+dtype (`create_model`: nothing is allocated before the device gets each parameter once, in the
+dtype it computes in), its weights streamed from the safetensors files tensor by tensor, each
+rank reading only its slice (`load_safetensors`, checkpoint.py), then quantized or kept in their
 GGUF blocks where asked, linears packed for the CPU kernels, and the fused ops chosen.
 
 Where the directory comes from (an HF directory, a GGUF file, an installed model's name) is
@@ -12,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from octavo.config import ModelConfig
+from octavo.model.checkpoint import SafetensorsCheckpoint
 from octavo.model.kernels.cpu_ops import resolve_kernels, select_cpu_ops
 from octavo.model.layers.decoder import RotaryEmbedding
 from octavo.model.layers.linear import pack_linears
@@ -36,25 +38,11 @@ def load_model(
     with `quantization`, its linear layers quantized, see quantization.py). `packed_gemv_rows`:
     the most rows a step's linear layers run packed_gemv for (0: never; None: its limit)."""
     shards = ShardPlan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
-    build = shards.local_config if shards is not None else config
-    with torch.device("meta"):
-        model = model_class(build)(build, max_positions)
-    model = model.to_empty(device=device)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensors[name] = f.get_tensor(name)
+    model = create_model(config, max_positions, dtype, device, shards)
+    load_safetensors(model, model_dir, shards)
     if shards is not None:
         assert tp is not None
-        model.shard = shards.shard
-        model.load_hf_state_dict(tensors)
         parallelize(model, shards, tp)
-    else:
-        model.load_hf_state_dict(tensors)
-    model.rotary = RotaryEmbedding(config, max_positions).to(device)
-    model = model.to(dtype=dtype)
-    model.rotary.to(torch.float32)  # tables stay fp32; cast per step like transformers
     if resolve_kernels("fused_ops", fused_ops, device) == "triton":
         from octavo.model.kernels.triton.fused_ops import TritonFusedOps
 
@@ -72,3 +60,28 @@ def load_model(
     pack_linears(model, linear_backend)
     model.use_cpu_ops(ops, packed_gemv_rows)
     return model.eval()
+
+
+def create_model(config: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 device: torch.device, shards: ShardPlan | None = None) -> LlamaForCausalLM:
+    """The family's model (this rank's slice of it with `shards`), its parameters allocated on
+    `device` directly in `dtype` and left unset (load_safetensors sets every one): built on
+    the meta device, where the cast costs nothing."""
+    build = shards.local_config if shards is not None else config
+    with torch.device("meta"):
+        model = model_class(build)(build, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    # the tables hold the values transformers' per-step cast to the model dtype gives, in fp32
+    # (the compiled RoPE and the Triton kernels cast them themselves)
+    rotary = RotaryEmbedding(config, max_positions).to(dtype=dtype)
+    model.rotary = rotary.to(device=device, dtype=torch.float32)
+    return model
+
+
+def load_safetensors(model: LlamaForCausalLM, model_dir: Path,
+                     shards: ShardPlan | None = None) -> None:
+    """Every parameter of `model` from the checkpoint in `model_dir`, one checkpoint tensor (or
+    this rank's slice of it, with `shards`) read at a time."""
+    model.shard = shards.shard if shards is not None else None
+    with SafetensorsCheckpoint(model_dir) as checkpoint:
+        model.load_hf_state_dict(checkpoint)

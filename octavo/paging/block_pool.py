@@ -9,7 +9,7 @@ gets hit again leaves the middle of its queue without a scan.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 _FREE, _USED, _SHARED, _CACHED = b"fusc"
@@ -110,6 +110,10 @@ class BlockPool:
         self.num_live_slots = 0
         self.peak_used_blocks = 0
         self.num_evictions = 0
+        # The KV tier's hook (tier/kv_tier.py): called with a full indexed block the pool lets
+        # go of, when it is freed or, with `offer_on_evict`, only when it is evicted.
+        self.tier_offer: Callable[[KVBlock], None] | None = None
+        self.offer_on_evict = False
 
     # -- counts ---------------------------------------------------------------------------------
     @property
@@ -178,6 +182,8 @@ class BlockPool:
             else:
                 self._cached_free.append(blk)
                 self.states[blk.block_id] = _CACHED
+                if self.tier_offer is not None and not self.offer_on_evict:
+                    self.tier_offer(blk)
 
     def set_filled(self, blk: KVBlock, num_filled: int) -> None:
         """Record how many slots of a referenced block hold tokens."""
@@ -191,15 +197,24 @@ class BlockPool:
 
     def _evict(self, blk: KVBlock) -> None:
         assert blk.block_hash is not None
+        if self.tier_offer is not None and self.offer_on_evict:
+            self.tier_offer(blk)
         del self._index[blk.block_hash]
         blk.block_hash = blk.token_ids = blk.extra_key = None
         blk.cache_key = blk.parent_key = blk.num_filled = 0
         self.num_evictions += 1
 
     def uncache(self, blk: KVBlock) -> None:
-        """Drop a referenced block's cache entry: its KV was never computed (a failed step)."""
+        """Drop a block's cache entry: its KV was never computed (a failed step). A free one
+        becomes a plain free block."""
         if blk.block_hash is not None and self._index.get(blk.block_hash) is blk:
             del self._index[blk.block_hash]
+        if blk.ref_cnt == 0 and blk.block_hash is not None:
+            self._cached_free.remove(blk)
+            blk.num_filled = 0
+            blk.token_ids = None
+            self._plain_free.append(blk)
+            self.states[blk.block_id] = _FREE
         blk.block_hash = blk.extra_key = None
         blk.cache_key = blk.parent_key = 0
 

@@ -13,6 +13,7 @@ from octavo.paging.block_pool import BlockPool, KVBlock
 from octavo.paging.group_windows import GroupWindows
 from octavo.paging.prefix_cache import PrefixCache
 from octavo.paging.seq_blocks import SeqBlocks, cdiv
+from octavo.paging.tier.kv_tier import KVTier
 from octavo.paging.waste import check_slot_sum, paged_slot_stats
 
 
@@ -23,6 +24,7 @@ class KVState(Protocol):
     block_pool: BlockPool
     prefix_cache: PrefixCache
     blocks_freed_out_of_window: int
+    tier: KVTier | None
 
     @property
     def cpu_pool(self) -> BlockPool: ...
@@ -93,6 +95,7 @@ def kv_stats(kv: KVState) -> dict[str, int | float]:
         "peak_kv_blocks_used": pool.peak_used_blocks,
         "kv_cpu_blocks_total": kv.cpu_pool.num_blocks,
         "kv_cpu_blocks_used": kv.cpu_pool.num_used_blocks,
+        **(kv.tier.stats() if kv.tier is not None else {}),
     }
 
 

@@ -1,9 +1,10 @@
 """Block tables on top of a BlockPool: allocate slots, fork (copy-on-write), free, swap.
 
-KVCacheManager holds every sequence's block tables and owns three parts it calls through
-their public methods: the prefix cache (prefix_cache.py), the swap space (swap_space.py) and
-the groups' window geometry (group_windows.py); its stats and invariants are functions over
-its public state (kv_audit.py).
+KVCacheManager holds every sequence's block tables and owns the parts it calls through their
+public methods: the prefix cache (prefix_cache.py), the swap space (swap_space.py), the
+groups' window geometry (group_windows.py) and, where there is one, the KV tier below the
+pool (tier/kv_tier.py); its stats and invariants are functions over its public state
+(kv_audit.py).
 
 The scheduler's side of the contract, on vLLM v1's lines: `get_computed_blocks(seq)` finds a
 new sequence's cached prefix (a pure query), then one `allocate_slots(seq, n, cached)` either
@@ -12,8 +13,10 @@ changes nothing. There is no separate "can I?" question to go stale before the "
 
 Slots are counted as computed when handed out (`seq.num_computed_tokens` moves here and only
 here), because the runner writes them in the same step. Copies are only recorded; the runner
-moves the KV tensors: swap-out copies first (their sources may be reused right after), then
-copy-on-write copies, then swap-in copies, all before the forward pass writes new KV. Blocks
+moves the KV tensors: the KV tier's saves first (blocks let go of since the last step, whose
+memory this step may reuse), then swap-out copies (their sources may be reused right after),
+swap-in copies, the tier's loads (into fresh blocks) and copy-on-write copies, all before the
+forward pass writes new KV. Blocks
 registered in the prefix cache during a step can be hit by a sequence scheduled later in the
 same step, so the runner must write all of a step's new KV before attention reads it (a
 flattened batch does this per layer).
@@ -32,6 +35,7 @@ from octavo.paging.kv_seq import KVSeq
 from octavo.paging.prefix_cache import PrefixCache
 from octavo.paging.seq_blocks import SeqBlocks, cdiv
 from octavo.paging.swap_space import SwapSpace
+from octavo.paging.tier.kv_tier import KVTier, TierBlock
 
 __all__ = ["KVCacheManager", "OutOfKVBlocks"]
 
@@ -58,6 +62,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
         windows: Sequence[int | None] = (None,),
+        tier: KVTier | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -77,6 +82,11 @@ class KVCacheManager:
         self._seqs: dict[int, SeqBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.blocks_freed_out_of_window = 0
+        self.tier = tier if enable_prefix_caching else None
+        if self.tier is not None:
+            self.prefix_cache.tier = self.tier
+            self.block_pool.tier_offer = self.tier.offer
+            self.block_pool.offer_on_evict = self.tier.write == "evict"
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -207,35 +217,83 @@ class KVCacheManager:
                 "has no KV blocks"
             )
         pool, bs, groups = self.block_pool, self.block_size, range(self.num_groups)
-        if cached is not None and cached.num_tokens:
-            if len(cached.blocks) != self.num_groups:
-                raise ValueError(f"a cached prefix of {len(cached.blocks)} groups for a KV cache "
-                                 f"of {self.num_groups}")
-            hits = [list(blocks) for blocks in cached.blocks]
-        else:
-            hits = [[] for _ in groups]
-        num_cached = len(hits[0]) * bs
-        end = self._checked_end(seq, num_cached, num_new_tokens)
-        self.prefix_cache.check_hashes(seq, end)
-        live = [blk for group in hits for blk in group if blk is not None]
-        # A hit on a cached-free block takes it off the free list; a hit on a used one is free.
-        fresh = cdiv(end, bs) - len(hits[0])
-        if sum(blk.ref_cnt == 0 for blk in live) + fresh * self.num_groups > pool.num_free_blocks:
-            return None
+        while True:  # once more each time a tier block fails to load (none without a tier)
+            if cached is not None and cached.num_tokens:
+                if len(cached.blocks) != self.num_groups:
+                    raise ValueError(f"a cached prefix of {len(cached.blocks)} groups for a KV "
+                                     f"cache of {self.num_groups}")
+                hits = [list(blocks) for blocks in cached.blocks]
+            else:
+                hits = [[] for _ in groups]
+            num_cached = len(hits[0]) * bs
+            end = self._checked_end(seq, num_cached, num_new_tokens)
+            self.prefix_cache.check_hashes(seq, end)
+            live = [blk for group in hits for blk in group if isinstance(blk, KVBlock)]
+            from_tier = [(g, i) for g in groups for i, blk in enumerate(hits[g])
+                         if isinstance(blk, TierBlock)]
+            # A hit on a cached-free block takes it off the free list; a hit on a used one is
+            # free; a tier hit takes a fresh block, as computing the block would.
+            fresh = cdiv(end, bs) - len(hits[0])
+            if (sum(blk.ref_cnt == 0 for blk in live) + fresh * self.num_groups
+                    + len(from_tier) > pool.num_free_blocks):
+                return None
+            payloads = self._read_tier(seq, hits, from_tier)
+            if payloads is not None:
+                break
+            cached = self.prefix_cache.lookup(seq)  # without the block that failed
         for blk in live:  # before any get_new_block(), so no hit can be evicted under us
             pool.touch(blk)
+        for g, i in from_tier:
+            hits[g][i] = pool.get_new_block()
         blocks = [hits[g] + [pool.get_new_block() for _ in range(fresh)] for g in groups]
         chain_keys = [[None if blk is None else blk.cache_key for blk in hits[g]] for g in groups]
         trimmed = [next((i for i, b in enumerate(hits[g]) if b is not None), len(hits[g]))
                    for g in groups]
         state = SeqBlocks(seq, blocks, chain_keys, trimmed=trimmed)
         self._seqs[seq.seq_id] = state
+        if from_tier:
+            self._register_loaded(state, from_tier, payloads)
         seq.num_computed_tokens = num_cached
         self._fill(state, end)
         self.prefix_cache.register_full_blocks(state)
         if self.enable_prefix_caching and cached is not None:
             self.prefix_cache.count_hit(seq, num_cached)
         return self._new_blocks(state, [0] * self.num_groups)
+
+    def _read_tier(self, seq: KVSeq, hits: list[list], from_tier: list[tuple[int, int]]
+                   ) -> list[memoryview] | None:
+        """The checked payloads of a prefix's tier blocks, in `from_tier`'s order, or None when
+        one failed to load (the tier forgets it, so the next lookup stops before it)."""
+        if not from_tier:
+            return []
+        assert self.tier is not None
+        return self.tier.read([hits[g][i].key for g, i in from_tier],
+                              [self.prefix_cache.block_tokens(seq, i) for _, i in from_tier])
+
+    def _register_loaded(self, state: SeqBlocks, from_tier: list[tuple[int, int]],
+                         payloads: list[memoryview]) -> None:
+        """Index the fresh blocks a tier hit fills (in group order: a sliding group's blocks
+        chain onto the anchor's) and queue their loads."""
+        assert self.tier is not None
+        cache, seq, bs = self.prefix_cache, state.seq, self.block_size
+        loaded = dict(zip(from_tier, payloads, strict=True))
+        for g in self.groups.order:
+            for i, blk in enumerate(state.blocks[g]):
+                payload = loaded.get((g, i))
+                if payload is None:
+                    continue
+                assert blk is not None
+                self.block_pool.set_filled(blk, bs)
+                parent = cache.parent_key(state, g, i)
+                if parent is None and self.groups.anchor is None:
+                    # every group slides and this block opens the window: as for a pool hit
+                    # there, its digest alone names the prefix before it
+                    parent = 0
+                state.chain_keys[g][i] = cache.record_full_block(
+                    blk, cache.key(seq.block_hashes[i], g), cache.block_tokens(seq, i),
+                    parent, seq)
+                self.tier.add_load(blk.block_id, payload)
+        self.tier.hit_tokens += len({i for _, i in from_tier}) * bs
 
     def _grow(self, state: SeqBlocks, num_new_tokens: int, lookahead: int = 0) -> NewBlocks | None:
         seq, pool, bs = state.seq, self.block_pool, self.block_size
@@ -324,10 +382,23 @@ class KVCacheManager:
         state = self._seqs.pop(seq_id, None)
         if state is None:
             return
+        if self.tier is not None and not state.swapped:
+            self._cancel_loads(state)
         pool = self.cpu_pool if state.swapped else self.block_pool
         for table in state.blocks:
             pool.free(blk for blk in reversed(table) if blk is not None)
         state.seq.num_computed_tokens = 0
+
+    def _cancel_loads(self, state: SeqBlocks) -> None:
+        """Blocks of a sequence freed before the step that was to load them from the tier ran:
+        no load, and nobody may hit them (a sequence that hit them too keeps them loaded)."""
+        assert self.tier is not None
+        for table in state.blocks:
+            for blk in table:
+                if blk is not None and blk.ref_cnt == 1 and self.tier.has_pending_load(
+                        blk.block_id):
+                    self.tier.cancel_load(blk.block_id)
+                    self.block_pool.uncache(blk)
 
     def uncache_from(self, seq_id: int, num_tokens: int) -> None:
         """Forget the prefix-cache entries of this sequence's blocks holding tokens at or after
@@ -347,6 +418,33 @@ class KVCacheManager:
         """Pending copy-on-write copies (src, dst), handed over once."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
+
+    # -- the KV tier ----------------------------------------------------------------------------
+    def take_tier_io(self) -> tuple[list[int], list[tuple[int, memoryview]]]:
+        """This plan's tier traffic, handed over once: the block ids whose bytes the runner
+        copies out before anything else, and the (block id, payload) it writes in before the
+        forward pass (tier/kv_tier.py)."""
+        if self.tier is None:
+            return [], []
+        return self.tier.take_io()
+
+    def tier_io_done(self, saved: Sequence[bytes]) -> None:
+        """The step ran: the bytes the runner copied out, in the plan's order, go to the
+        tier's writer."""
+        if self.tier is not None:
+            self.tier.io_done(saved)
+
+    def tier_io_failed(self) -> None:
+        """The step raised: the blocks it was to load hold unknown bytes, so nobody may hit
+        them (the caller aborts the sequences holding them)."""
+        if self.tier is None:
+            return
+        for block_id in self.tier.io_failed():
+            self.block_pool.uncache(self.block_pool.blocks[block_id])
+
+    def has_tier_saves(self) -> bool:
+        """Blocks wait for a step to copy them out (an idle engine runs one for them)."""
+        return self.tier is not None and self.tier.has_pending_saves
 
 
     # -- queries --------------------------------------------------------------------------------

@@ -7,6 +7,12 @@ a collision can never return the wrong KV. The one exception: where every group 
 (Mistral), the first block of a window hit has no parent left to check, and only its 128-bit
 digest vouches for the prefix before it. `lookup` is a pure query (no references taken); the
 KV manager takes the references when it starts the sequence, and counts the hit here.
+
+With a KV tier (tier/), a block the pool misses may be found there: the prefix then names it
+as a `TierBlock`, which the KV manager loads into a fresh block. A tier block is named by its
+chained digest (checked against the record's key and token ids when it is read), so once a
+group's prefix leaves the pool it continues in the tier only: a pool block after it could not
+be checked against its parent.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from octavo.paging.block_pool import BlockPool, KVBlock
 from octavo.paging.group_windows import GroupWindows
 from octavo.paging.kv_seq import KVSeq
 from octavo.paging.seq_blocks import SeqBlocks
+from octavo.paging.tier.kv_tier import KVTier, TierBlock
+
+Hit = KVBlock | TierBlock
 
 
 class PrefixCache:
@@ -26,6 +35,8 @@ class PrefixCache:
         self.enabled = enabled
         self.query_tokens = 0  # prompt tokens of the sequences that looked up a prefix
         self.hit_tokens = 0  # of them, the tokens a hit covered
+        self.tier: KVTier | None = None  # the KV manager sets it where there is a tier
+        self._tier_seen: dict[bytes, bool] = {}  # one lookup's answers from the tier
         self._no_hit = CachedPrefix(((),) * groups.num_groups, 0)
 
     def key(self, block_hash: bytes, group: int) -> bytes:
@@ -95,9 +106,10 @@ class PrefixCache:
         needs every block of the prefix, a sliding group only those its window still sees."""
         if not self.enabled:
             return self._no_hit
+        self._tier_seen.clear()
         windows = self.groups.windows
         n = min((len(seq.token_ids) - 1) // self.block_size, len(seq.block_hashes))
-        found: list[list[KVBlock | None]] = [[] for _ in windows]
+        found: list[list[Hit | None]] = [[] for _ in windows]
         while True:  # each group may shorten the hit; stop when none does
             before = n
             for g in self.groups.order:
@@ -114,43 +126,79 @@ class PrefixCache:
             return self._no_hit
         return CachedPrefix(tuple(tuple(hits[:n]) for hits in found), n * self.block_size)
 
-    def _full_hits(self, seq: KVSeq, g: int, n: int) -> list[KVBlock | None]:
-        """The leading blocks of `seq` cached in `g`, each chained onto the one before."""
-        hits: list[KVBlock | None] = []
+    def _in_tier(self, key: bytes) -> bool:
+        if self.tier is None:
+            return False
+        seen = self._tier_seen.get(key)
+        if seen is None:
+            seen = self._tier_seen[key] = self.tier.contains(key)
+        return seen
+
+    def _full_hits(self, seq: KVSeq, g: int, n: int) -> list[Hit | None]:
+        """The leading blocks of `seq` cached in `g`, each chained onto the one before (in the
+        pool), then those the tier holds (asked once for the rest of the prefix)."""
+        hits: list[Hit | None] = []
         parent_key = 0
         for i in range(n):
-            blk = self.pool.get_cached_block(
-                self.key(seq.block_hashes[i], g), self.block_tokens(seq, i), parent_key,
-                seq.extra_key)
+            blk = self.pool.get_cached_block(self.key(seq.block_hashes[i], g),
+                                             self.block_tokens(seq, i), parent_key,
+                                             seq.extra_key)
             if blk is None:
                 break
             hits.append(blk)
             parent_key = blk.cache_key
+        if self.tier is not None and len(hits) < n:
+            keys = [self.key(seq.block_hashes[i], g) for i in range(len(hits), n)]
+            found = self._tier_seen_leading(keys)
+            hits += [TierBlock(k) for k in keys[:found]]
         return hits
 
+    def _tier_seen_leading(self, keys: list[bytes]) -> int:
+        """count_leading, remembered for the rest of this lookup (its loop asks again)."""
+        assert self.tier is not None
+        n = 0
+        while n < len(keys) and self._tier_seen.get(keys[n]):
+            n += 1
+        if n < len(keys) and keys[n] not in self._tier_seen:
+            found = self.tier.count_leading(keys[n:])
+            for k in keys[n:n + found]:
+                self._tier_seen[k] = True
+            if n + found < len(keys):
+                self._tier_seen[keys[n + found]] = False
+            n += found
+        return n
+
     def _window_hits(self, seq: KVSeq, g: int, n: int,
-                     anchor: list[KVBlock | None] | None) -> list[KVBlock | None]:
+                     anchor: list[Hit | None] | None) -> list[Hit | None]:
         """The longest prefix of at most `n` blocks whose blocks in `g`'s window of the next
         query are all cached (None before the window), scanning from the right once.
 
         In a hybrid model each sliding block was registered as the child of the anchor group's
-        block at the same position, whose chain vouches for the whole prefix. Where every group
-        slides, consecutive hits must chain onto each other; the first block of the window is
-        named by its prefix's digest alone (the blocks before it are gone)."""
+        block at the same position, whose chain vouches for the whole prefix (where that block
+        comes from the tier, so must this one). Where every group slides, consecutive pool hits
+        must chain onto each other; the first block of the window is named by its prefix's
+        digest alone (the blocks before it are gone)."""
         end = n
-        hits: dict[int, KVBlock] = {}  # verified so far, by block index
+        hits: dict[int, Hit] = {}  # verified so far, by block index
         while end > 0:
             first = self.groups.first_live(g, end * self.block_size)
             for i in range(end - 1, first - 1, -1):
-                parent = None if anchor is None else anchor[i].cache_key  # type: ignore[union-attr]
-                blk = hits.get(i) or self.pool.get_cached_block(
-                    self.key(seq.block_hashes[i], g), self.block_tokens(seq, i), parent,
-                    seq.extra_key)
+                blk = hits.get(i)
+                if blk is None:
+                    key = self.key(seq.block_hashes[i], g)
+                    a = None if anchor is None else anchor[i]
+                    if not isinstance(a, TierBlock):
+                        parent = None if a is None else a.cache_key
+                        blk = self.pool.get_cached_block(key, self.block_tokens(seq, i), parent,
+                                                         seq.extra_key)
+                    if blk is None and self._in_tier(key):
+                        blk = TierBlock(key)
                 if blk is None:
                     end = i  # no hit may include block i
                     break
                 nxt = hits.get(i + 1) if i + 1 < end else None
-                if anchor is None and nxt is not None and nxt.parent_key != blk.cache_key:
+                if (anchor is None and isinstance(blk, KVBlock) and isinstance(nxt, KVBlock)
+                        and nxt.parent_key != blk.cache_key):
                     end = i + 1  # blocks i and i + 1 do not chain: a hit may end at i + 1
                     break
                 hits[i] = blk

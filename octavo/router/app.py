@@ -80,7 +80,7 @@ class Router:
             self.replicas, make_policy(config.policy,
                                        balance_abs_threshold=config.balance_abs_threshold,
                                        balance_rel_threshold=config.balance_rel_threshold),
-            self.metrics, config.block_size)
+            self.metrics, config.block_size, shared_tier=config.kv_tier_shared)
         # one thread: an HF fast tokenizer must not be used by two threads at once
         self.tokenize_pool = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="octavo-router-tokenize")

@@ -56,6 +56,10 @@ class RouterConfig:
     balance_rel_threshold: float = option(
         DEFAULT_BALANCE_REL_THRESHOLD, "... and more than this many times as many",
         check=at_least(1.0), group=ROUTER)
+    kv_tier_shared: bool = option(
+        False, "the replicas share one KV tier (--kv-offload-dir on one directory, or one "
+        "--kv-offload-url): a prefix sent to any of them is a cheap tier hit on every other, "
+        "which the prefix policy weighs", group=ROUTER)
     index_blocks: int | None = option(
         None, "blocks the router remembers per replica (default: the replica's KV blocks, from "
         f"its /metrics; {DEFAULT_INDEX_BLOCKS} until known)", check=at_least(1), group=ROUTER)

@@ -2,7 +2,10 @@
 
 Each replica is a child `octavo serve` process with the same engine and server flags, on a
 free 127.0.0.1 port, with `OMP_NUM_THREADS` set to its share of the cores (the parent's
-OMP_NUM_THREADS, or every core the process may use, divided by N; at least 1). The router
+OMP_NUM_THREADS, or every core the process may use, divided by N; at least 1). On GPUs each
+replica gets GPUs of its own (`replica_gpus`): replica i sees only the i-th group of
+tensor_parallel_size GPUs counted from the one `--device cuda:N` names (CUDA_VISIBLE_DEVICES,
+within the parent's own), and computes on them as `--device cuda`. The router
 (launcher.py, prefix policy) runs in this process on the public --host/--port and health-checks
 them; /health answers 503 until a replica is up.
 
@@ -102,14 +105,56 @@ class ReplicaProcess:
                 self.proc.send_signal(signal.SIGTERM)
 
 
-def start_replicas(ns: argparse.Namespace, n: int) -> list[ReplicaProcess]:
+def replica_gpus(device: str, n: int, per_replica: int, visible: list[str] | None = None,
+                 count: int | None = None) -> list[str] | None:
+    """Each replica's CUDA_VISIBLE_DEVICES on GPUs (None on CPU): disjoint groups of
+    `per_replica` of the GPUs this process sees (`visible`, default CUDA_VISIBLE_DEVICES or
+    every one of `count`, default torch's count), from the index `device` names."""
+    if not device.startswith("cuda"):
+        return None
+    base = int(device.partition(":")[2] or 0)
+    if visible is None:
+        visible = envs.cuda_visible_devices()
+    if visible is None:
+        if count is None:
+            import torch
+
+            count = torch.cuda.device_count()
+        visible = [str(i) for i in range(count)]
+    need = n * per_replica
+    if base + need > len(visible):
+        raise ValueError(f"--data-parallel-size {n} with {per_replica} GPU(s) per replica "
+                         f"needs {need} GPUs from cuda:{base}, and this process sees "
+                         f"{len(visible)} ({','.join(visible) or 'none'})")
+    return [",".join(visible[base + i * per_replica: base + (i + 1) * per_replica])
+            for i in range(n)]
+
+
+def on_own_gpus(flags: list[str]) -> list[str]:
+    """A replica's flags with `--device cuda`: the first GPU it sees is its own."""
+    out, i = [], 0
+    while i < len(flags):
+        if flags[i] == "--device":
+            i += 2
+            continue
+        out.append(flags[i])
+        i += 1
+    return [*out, "--device", "cuda"]
+
+
+def start_replicas(ns: argparse.Namespace, n: int,
+                   gpus: list[str] | None = None) -> list[ReplicaProcess]:
+    """`gpus`: each replica's CUDA_VISIBLE_DEVICES (replica_gpus), None on CPU."""
     flags = replica_flags(ns)
     env = envs.child_env({"OMP_NUM_THREADS": str(threads_per_replica(n))})
     replicas = []
     try:
-        for _ in range(n):
+        for i in range(n):
             port = free_port()
-            cmd = [sys.executable, "-m", "octavo.cli", "serve", *flags, "--host", "127.0.0.1",
+            if gpus is not None:
+                env = {**env, "CUDA_VISIBLE_DEVICES": gpus[i]}
+            cmd = [sys.executable, "-m", "octavo.cli", "serve",
+                   *(on_own_gpus(flags) if gpus is not None else flags), "--host", "127.0.0.1",
                    "--port", str(port)]
             proc = subprocess.Popen(cmd, env=env, start_new_session=True,
                                     preexec_fn=_die_with_parent)
@@ -161,17 +206,21 @@ def serve_data_parallel(ns: argparse.Namespace) -> int:
     n = ns.data_parallel_size
     if n < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {n}")
-    engine_args.from_cli_args(ns)  # a bad engine flag fails here, before any process starts
+    # a bad engine flag, or too few GPUs, fails here, before any process starts
+    args = engine_args.from_cli_args(ns)
+    gpus = replica_gpus(args.device, n, args.tensor_parallel_size)
     server = server_config(ns)
     resolve_model_dir(ns.model)  # a GGUF is converted once, here, not by N replicas at once
-    replicas = start_replicas(ns, n)
+    replicas = start_replicas(ns, n, gpus)
     try:
         config = RouterConfig(
             replicas=[r.url for r in replicas], model=ns.model, block_size=ns.block_size,
             max_request_body_bytes=server.max_request_body_bytes,
             enable_auto_tool_choice=server.enable_auto_tool_choice,
             tool_call_parser=server.tool_call_parser,
-            shutdown_timeout=server.shutdown_timeout)
+            shutdown_timeout=server.shutdown_timeout,
+            kv_tier_shared=getattr(ns, "kv_offload_dir", None) is not None
+            or getattr(ns, "kv_offload_url", None) is not None)
         router = router_server(config, make_hasher(config), host=ns.host, port=ns.port,
                                log_level=ns.uvicorn_log_level)
 
@@ -181,8 +230,9 @@ def serve_data_parallel(ns: argparse.Namespace) -> int:
 
         router.on_signal = drain_replicas
         router.tick = watch(replicas, f"http://{ns.host}:{ns.port}")
+        on = "" if gpus is None else f", GPUs {' | '.join(gpus)}"
         print(f"octavo serve: {n} replicas ({', '.join(r.url for r in replicas)}, "
-              f"{threads_per_replica(n)} threads each) behind the router on "
+              f"{threads_per_replica(n)} threads each{on}) behind the router on "
               f"http://{ns.host}:{ns.port} (policy prefix; /health is 503 until one is up)",
               file=sys.stderr, flush=True)
         router.run()

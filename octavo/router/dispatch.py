@@ -1,5 +1,7 @@
 """Where a request goes and what the router remembers of it: the policy's choice among the
-healthy replicas, the request's blocks recorded in that replica's index, its load counted."""
+healthy replicas, the request's blocks recorded in that replica's index (and, where the
+replicas share a KV tier, in the tier's index: any of them can load those blocks), its load
+counted."""
 
 from __future__ import annotations
 
@@ -7,17 +9,24 @@ from collections.abc import Collection
 
 from octavo.router.metrics import RouterMetrics
 from octavo.router.policy import Candidate, Decision, RoutingPolicy
+from octavo.router.prefix_index import PrefixIndex
 from octavo.router.prompts import PromptKeys
 from octavo.router.replicas import Replica, ReplicaSet
+
+TIER_INDEX_FACTOR = 16
 
 
 class Dispatcher:
     def __init__(self, replicas: ReplicaSet, policy: RoutingPolicy, metrics: RouterMetrics,
-                 block_size: int) -> None:
+                 block_size: int, *, shared_tier: bool = False) -> None:
         self.replicas = replicas
         self.policy = policy
         self.metrics = metrics
         self.block_size = block_size
+        # what the replicas' shared KV tier holds, as far as the router sent it there (a tier
+        # is many pools' worth)
+        self.tier_index = (PrefixIndex(TIER_INDEX_FACTOR * max(
+            (r.index.capacity for r in replicas), default=1)) if shared_tier else None)
 
     def pick(self, keys: PromptKeys, exclude: Collection[int] = ()) -> Decision | None:
         """The policy's choice among the healthy replicas not in `exclude` (None: there is
@@ -25,8 +34,12 @@ class Dispatcher:
         healthy = [r for r in self.replicas.healthy() if r.rid not in exclude]
         if not healthy:
             return None
-        return self.policy.choose([
-            Candidate(r.rid, r.in_flight, r.index.match(keys.block_hashes)) for r in healthy])
+        in_tier = 0 if self.tier_index is None else self.tier_index.match(keys.block_hashes)
+        candidates = []
+        for r in healthy:
+            matched = r.index.match(keys.block_hashes)
+            candidates.append(Candidate(r.rid, r.in_flight, matched, max(0, in_tier - matched)))
+        return self.policy.choose(candidates)
 
     def replica(self, decision: Decision) -> Replica:
         return self.replicas.replicas[decision.rid]
@@ -38,6 +51,8 @@ class Dispatcher:
         for hashes in keys.all_block_hashes:
             if hashes:
                 replica.index.insert(hashes)
+                if self.tier_index is not None:
+                    self.tier_index.insert(hashes)
         self.metrics.routed_to(replica, reason, keys.num_tokens,
                                matched_blocks * self.block_size)
 

@@ -2,7 +2,7 @@
 
 Counters are counted as requests go; the gauges (requests in flight, health, index size) are
 read from the replicas' state at scrape time. The replicas' own prefix-cache counters
-(`octavo:prefix_cache_hits_total`, `octavo:prefix_cache_queries_total`) are on each replica's
+(`vllm:prefix_cache_hits_total`, `vllm:prefix_cache_queries_total`) are on each replica's
 own /metrics; `octavo:router_prefix_match_tokens_total` is the router's estimate of them.
 """
 

@@ -33,7 +33,7 @@ DEFAULT_LIMIT_CONCURRENCY = 4096
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_MAX_STORED_RESPONSES = 1000
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -88,6 +88,10 @@ class ServerConfig:
     reasoning_parser: str | None = option(
         None, "split <think>...</think> reasoning into reasoning_content",
         choices=REASONING_PARSERS, group=TOOLS)
+    reasoning_budget: int = option(
+        -1, "reasoning tokens a request may think for before its end-of-thinking marker is "
+        "forced (llama-server's flag; a request's thinking_token_budget overrides it); -1: no "
+        "limit, 0: close the reasoning at once", check=at_least(-1), group=TOOLS)
     max_stored_responses: int = option(
         DEFAULT_MAX_STORED_RESPONSES, "responses kept in memory for previous_response_id "
         "(/v1/responses with store=true); the oldest go first", check=at_least(1), group=TOOLS)

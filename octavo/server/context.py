@@ -45,7 +45,9 @@ class ServerContext:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="octavo-tokenize")
         longest = max((len(s) for s in self._token_texts()), default=1)
         self.max_prompt_chars = self.max_model_len * max(longest, 1)
-        self.metrics = ServerMetrics(self.model_name, engine.stats)
+        self.metrics = ServerMetrics(self.model_name, engine.stats,
+                                     max_model_len=self.max_model_len,
+                                     cache_config=dict(info.cache_config))
         engine.observer = self.metrics
         self._token_strs: dict[int, str] = {}
 
@@ -81,10 +83,11 @@ class ServerContext:
     # ---- tokens (off the event loop) -----------------------------------------------------
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
-            raise bad_request(
-                f"the prompt has {num_chars} characters: more than max_model_len "
-                f"({self.max_model_len}) tokens of this vocabulary can hold (at most "
-                f"{self.max_prompt_chars} characters)", param,
+            raise bad_request(  # worded as vLLM's context-length error (serving_common.py)
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"the prompt has {num_chars} characters, more than {self.max_model_len} tokens "
+                f"of this vocabulary can hold (at most {self.max_prompt_chars} characters). "
+                "Please reduce the length of the messages.", param,
             )
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:

@@ -89,6 +89,12 @@ class KVPool(BaseModel):
     partial_filled: list[int] = Field(default_factory=list,
                                       description="flat [block id, filled slots, ...] of "
                                       "blocks in use that are not full")
+    tier_saving: list[int] = Field(default_factory=list,
+                                   description="with a KV tier: blocks on their way to it "
+                                   "(copied out at the next step)")
+    tier_loaded: list[int] = Field(default_factory=list,
+                                   description="with a KV tier: blocks the last step loaded "
+                                   "from it")
 
 
 class KVMapSeq(BaseModel):

@@ -57,10 +57,15 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SamplingFields(RequestModel):
@@ -92,6 +97,11 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM: tokens of reasoning before the end-of-thinking marker is forced (--reasoning-budget)
+    thinking_token_budget: int | None = Field(None, ge=0)
+    # vLLM: requests with different salts never share prefix-cache blocks (it joins the hash
+    # of every block), so one tenant cannot time another's prompts
+    cache_salt: NonEmptyText | None = None
 
 
 # ---- /v1/completions -----------------------------------------------------------------------

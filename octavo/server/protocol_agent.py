@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from octavo.server.protocol_base import OpenAIBaseModel, RequestModel
 
@@ -118,12 +124,22 @@ class ToolCallOut(OpenAIBaseModel):
     function: FunctionCallOut
 
 
-class DeltaFunctionCall(OpenAIBaseModel):
+class _OmitUnset(OpenAIBaseModel):
+    """A streamed delta: fields it does not carry are left out, not sent as null. OpenAI and
+    vLLM send them so, and the openai SDK's stream helpers merge deltas key by key: a
+    `"type": null` on a continuation chunk replaces the call's "function" and fails them."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_OmitUnset):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(OpenAIBaseModel):
+class DeltaToolCall(_OmitUnset):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None

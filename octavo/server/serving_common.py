@@ -28,7 +28,7 @@ from octavo.outputs import RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from octavo.server.context import ServerContext
 from octavo.server.errors import OpenAIError, bad_request, error_body
-from octavo.server.protocol import SamplingFields, UsageInfo
+from octavo.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 
 LOGIT_BIAS_MAX_ENTRIES = 300  # OpenAI's limit
 
@@ -63,6 +63,9 @@ def to_sampling_params(
         ctx.check_token_ids(body.stop_token_ids, "stop_token_ids")
     if body.allowed_token_ids:
         ctx.check_token_ids(body.allowed_token_ids, "allowed_token_ids")
+    budget = body.thinking_token_budget
+    if budget is None and ctx.config.reasoning_budget >= 0:
+        budget = ctx.config.reasoning_budget
     try:
         return SamplingParams(
             n=body.n,
@@ -87,6 +90,7 @@ def to_sampling_params(
             logit_bias=logit_bias,
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words,
+            thinking_token_budget=budget,
             structured_outputs=structured_outputs,
             # a stream sends what each step adds; a whole response needs only the end
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
@@ -110,18 +114,23 @@ def check_max_tokens(ctx: ServerContext, **given: int | None) -> None:
 
 def check_context_length(ctx: ServerContext, num_prompt: int, max_tokens: int | None,
                          param: str) -> None:
-    """vLLM's check: prompt + max_tokens must fit in max_model_len (both numbers given)."""
+    """vLLM's check, in vLLM's (and OpenAI's) words: prompt + max_tokens must fit in
+    max_model_len. Clients recognise an over-long prompt by this wording (LiteLLM raises its
+    ContextWindowExceededError, and routes to a fallback, on "This model's maximum context
+    length is")."""
     m = ctx.max_model_len
-    if num_prompt >= m:
+    if max_tokens is None and num_prompt >= m:
         raise bad_request(
-            f"the prompt has {num_prompt} tokens but max_model_len is {m}: it must be shorter, "
-            "leaving room for at least one generated token", param,
+            f"This model's maximum context length is {m} tokens. However, you requested "
+            f"{num_prompt} tokens in the messages, Please reduce the length of the messages.",
+            param,
         )
     if max_tokens is not None and num_prompt + max_tokens > m:
         raise bad_request(
-            f"this model's max_model_len is {m} tokens, but {num_prompt + max_tokens} were "
-            f"requested ({num_prompt} in the prompt, max_tokens={max_tokens}); lower max_tokens",
-            "max_tokens",
+            f"This model's maximum context length is {m} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in "
+            "the completion). Please reduce the length of the messages or completion.",
+            "max_tokens" if num_prompt < m else param,
         )
 
 
@@ -217,11 +226,14 @@ def engine_error(e: RequestAbortedError | EngineStepError) -> OpenAIError:
 
 
 def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
-    """Token counts of whole (cumulative or final) outputs."""
+    """Token counts of whole (cumulative or final) outputs; cached_tokens: the prompt tokens
+    the prefix cache held (OpenAI's prompt_tokens_details)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class StreamUsage:
@@ -229,16 +241,20 @@ class StreamUsage:
 
     def __init__(self) -> None:
         self._prompt: dict[int, int] = {}  # per prompt index
+        self._cached: dict[int, int] = {}
         self.completion = 0
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
         self._prompt[prompt_index] = len(out.prompt_token_ids)
+        self._cached[prompt_index] = out.num_cached_tokens
         self.completion += sum(len(c.token_ids) for c in out.outputs)
 
     def usage(self) -> UsageInfo:
         prompt = sum(self._prompt.values())
         return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion,
-                         total_tokens=prompt + self.completion)
+                         total_tokens=prompt + self.completion,
+                         prompt_tokens_details=PromptTokensDetails(
+                             cached_tokens=sum(self._cached.values())))
 
 
 # Characters JSON leaves raw that str.splitlines() (httpx's aiter_lines, many SSE readers)

@@ -162,6 +162,31 @@ def test_sizing_and_stats_count_the_stored_bytes(tiny_llama_dir):
     assert auto["kv_blocks_total"] == budget // (16 * 512)
 
 
+def test_kv_tier_restores_int8_pages_with_their_scales_and_keeps_formats_apart(
+        tiny_llama_dir, prompts, int8_alone, tmp_path):
+    """The KV tier stores a block's bytes: an int8 row's scale travels in them, so a restart
+    served from tier records gives the tokens computed without any; records of one KV format
+    (or fp8 scales) are never read into a cache of another."""
+    tier = str(tmp_path / "tier")
+    first = LLM(str(tiny_llama_dir), kv_cache_dtype="int8", num_kv_blocks=128,
+                kv_offload_dir=tier)
+    assert generate(first, prompts) == int8_alone
+    assert first.engine.tier.flush(30) and first.stats()["tier_blocks_written"] > 0
+    again = LLM(str(tiny_llama_dir), kv_cache_dtype="int8", num_kv_blocks=128,
+                kv_offload_dir=tier)
+    assert generate(again, prompts) == int8_alone
+    assert again.stats()["tier_hit_tokens"] >= 48  # the shared prefix: 3 full blocks
+    assert again.stats()["tier_read_failures"] == 0
+    for other in ("auto", "fp8_e4m3"):
+        llm = LLM(str(tiny_llama_dir), kv_cache_dtype=other, num_kv_blocks=128,
+                  kv_offload_dir=tier)
+        generate(llm, prompts[3:])
+        assert llm.stats()["tier_hit_tokens"] == 0, other
+    cache = llm.engine.runner.kv_cache
+    assert cache.scales_id and cache.scales_id in cache.block_format()
+    assert "int8 pages" in again.engine.runner.kv_cache.block_format()
+
+
 def test_a_bad_kv_cache_dtype_names_the_option():
     with pytest.raises(EngineArgsError, match="kv_cache_dtype"):
         LLM(kv_cache_dtype="int4")

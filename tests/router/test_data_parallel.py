@@ -11,8 +11,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
-from octavo.router.data_parallel import free_port, replica_flags, threads_per_replica
+from octavo.router.data_parallel import (
+    free_port,
+    replica_flags,
+    replica_gpus,
+    threads_per_replica,
+)
 
 
 def children(pid: int) -> list[int]:
@@ -107,3 +113,38 @@ def test_replicas_get_the_flags_given_less_the_parents_own(monkeypatch) -> None:
     assert len(flags) == 11  # nothing left at its default is passed on
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     assert threads_per_replica(3) == 2 and threads_per_replica(16) == 1
+
+
+def test_replicas_on_gpus_get_gpus_of_their_own(monkeypatch) -> None:
+    """Each replica sees only its own group of GPUs (CUDA_VISIBLE_DEVICES) and computes on
+    the first of them; the parent's own visible set and --device cuda:N are respected."""
+    from octavo.cli import build_parser
+    from octavo.router import data_parallel
+
+    assert replica_gpus("cpu", 2, 1) is None
+    assert replica_gpus("cuda", 2, 1, count=4) == ["0", "1"]
+    assert replica_gpus("cuda:1", 3, 1, count=4) == ["1", "2", "3"]
+    assert replica_gpus("cuda", 2, 2, visible=["3", "5", "6", "7"]) == ["3,5", "6,7"]
+    with pytest.raises(ValueError, match="needs 4 GPUs from cuda:1, and this process sees 4"):
+        replica_gpus("cuda:1", 2, 2, count=4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert replica_gpus("cuda", 2, 1) == ["4", "6"]
+
+    started: list[tuple[list[str], dict]] = []
+
+    class Started:
+        def poll(self):
+            return 0
+
+    def popen(cmd, env, **kwargs):
+        started.append((cmd, env))
+        return Started()
+
+    monkeypatch.setattr(data_parallel.subprocess, "Popen", popen)
+    ns = build_parser().parse_args(["serve", "--data-parallel-size", "2", "--device", "cuda:1",
+                                    "--block-size", "32"])
+    data_parallel.start_replicas(ns, 2, ["4", "6"])
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in started] == ["4", "6"]
+    for cmd, _ in started:
+        assert cmd[cmd.index("--device") + 1] == "cuda" and cmd.count("--device") == 1
+        assert "--block-size" in cmd

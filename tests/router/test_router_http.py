@@ -71,8 +71,8 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_cache(
     assert len(served) == 1
     rid = int(served.pop())
     after = replica_metrics(cluster.replicas[rid])
-    hits = (after["octavo:prefix_cache_hits_total"]
-            - before[rid]["octavo:prefix_cache_hits_total"])
+    hits = (after["vllm:prefix_cache_hits_total"]
+            - before[rid]["vllm:prefix_cache_hits_total"])
     assert hits == 3 * 64  # the three followers found the prefix's four blocks
     # the router's estimate is exactly the replica's count: its block hashes are the engine's
     match = cluster.series("octavo:router_prefix_match_tokens_total", rid) - routed[rid]
@@ -90,8 +90,8 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_cache(
         ends.add(r.headers["x-octavo-replica"])
     assert len(ends) == 1
     rid = int(ends.pop())
-    hits = (replica_metrics(cluster.replicas[rid])["octavo:prefix_cache_hits_total"]
-            - before_chat[rid]["octavo:prefix_cache_hits_total"])
+    hits = (replica_metrics(cluster.replicas[rid])["vllm:prefix_cache_hits_total"]
+            - before_chat[rid]["vllm:prefix_cache_hits_total"])
     match = cluster.series("octavo:router_prefix_match_tokens_total", rid) - routed_chat[rid]
     assert hits == match >= 2 * 5 * 16  # two followers, the system prompt's 5+ blocks each
 
@@ -192,13 +192,13 @@ def test_a_client_that_disconnects_has_its_replica_request_aborted(
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{cluster.url}/v1/completions", headers=AUTH, json=body, timeout=0.5)
     after = [r.wait_idle() for r in cluster.replicas]
-    generated = sum(a["octavo:generation_tokens_total"] - b["octavo:generation_tokens_total"]
+    generated = sum(a["vllm:generation_tokens_total"] - b["vllm:generation_tokens_total"]
                     for a, b in zip(after, before, strict=True))
     assert 0 < generated < 400  # started, and aborted before its end
     for a, b in zip(after, before, strict=True):
-        assert a["octavo:num_requests_running"] == 0 and a["octavo:kv_blocks_used"] == 0
-        assert (a.get("octavo:request_success_total", 0)
-                == b.get("octavo:request_success_total", 0))
+        assert a["vllm:num_requests_running"] == 0 and a["octavo:kv_blocks_used"] == 0
+        assert (a.get("vllm:request_success_total", 0)
+                == b.get("vllm:request_success_total", 0))
     # the router's own count of the request is gone too
     assert all(cluster.series("octavo:router_requests_in_flight", i) == 0 for i in (0, 1))
 

@@ -61,8 +61,8 @@ class RunningServer:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (m["octavo:num_requests_running"] == 0
-                    and m["octavo:num_requests_waiting"] == 0
+            idle = (m["vllm:num_requests_running"] == 0
+                    and m["vllm:num_requests_waiting"] == 0
                     and m["octavo:kv_blocks_used"] == 0)
             if idle or time.monotonic() > deadline:
                 return m

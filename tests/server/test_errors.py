@@ -84,7 +84,7 @@ def test_bad_prompts_are_400(http: httpx.Client) -> None:
     assert_error(http.post("/v1/completions", json={"prompt": "a" * 600, "stream": True}), 400,
                  "600", "512")
     assert_error(http.post("/v1/completions", json={"prompt": [65] * 500, "max_tokens": 50}),
-                 400, "512", "max_tokens")
+                 400, "512", "550", param="max_tokens")
     assert_error(http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "a" * 600}]}), 400, "512")
     assert_error(http.post("/detokenize", json={"tokens": [1, 1000]}), 400, "1000")

@@ -32,12 +32,12 @@ def test_disconnect_mid_stream_frees_everything(tiny_server: RunningServer,
         got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data:")]
         assert got
         m = tiny_server.metrics()
-        assert m["octavo:num_requests_running"] == 1 and m["octavo:kv_blocks_used"] > 0
+        assert m["vllm:num_requests_running"] == 1 and m["octavo:kv_blocks_used"] > 0
     # the response is closed mid-stream: the request is aborted, its blocks are free
     after = tiny_server.wait_idle(timeout=5)
-    assert after["octavo:num_requests_running"] == 0
+    assert after["vllm:num_requests_running"] == 0
     assert after["octavo:kv_blocks_used"] == 0
-    generated = after["octavo:generation_tokens_total"] - before["octavo:generation_tokens_total"]
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < LONG["n"] * LONG["max_tokens"]  # aborted, not run to the end
 
 
@@ -49,11 +49,11 @@ def test_disconnect_while_waiting_non_streaming(tiny_server: RunningServer, monk
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{tiny_server.url}/v1/completions", json=LONG, timeout=0.5)
     after = tiny_server.wait_idle(timeout=5)
-    assert after["octavo:kv_blocks_used"] == 0 and after["octavo:num_requests_running"] == 0
-    generated = after["octavo:generation_tokens_total"] - before["octavo:generation_tokens_total"]
+    assert after["octavo:kv_blocks_used"] == 0 and after["vllm:num_requests_running"] == 0
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert 0 < generated < LONG["n"] * LONG["max_tokens"]
-    assert (after.get("octavo:request_success_total", 0)
-            == before.get("octavo:request_success_total", 0))
+    assert (after.get("vllm:request_success_total", 0)
+            == before.get("vllm:request_success_total", 0))
 
 
 async def _stream_one(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[int, int, str]:
@@ -89,7 +89,7 @@ def test_200_concurrent_streams(tiny_server: RunningServer) -> None:
     assert [u for u, _, _ in results] == lengths
     assert all(f == "length" and chunks >= 1 for _, chunks, f in results)
     m = tiny_server.wait_idle()
-    assert m["octavo:kv_blocks_used"] == 0 and m["octavo:num_requests_running"] == 0
+    assert m["octavo:kv_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0
 
 
 def test_vllm_benchmark_contract(tiny_server: RunningServer) -> None:
@@ -118,18 +118,19 @@ def test_metric_names(tiny_server: RunningServer) -> None:
                  "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
-                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
-                 "kv_blocks_used", "kv_blocks_cached_free", "kv_blocks_total",
+                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count"):
+        assert f"vllm:{name}" in m, name
+    for name in ("kv_blocks_used", "kv_blocks_cached_free", "kv_blocks_total",
                  "kv_slots_internal_waste", "kv_slots_reserved_waste",
                  "kv_slots_external_waste", "num_requests_swapped", "kv_sliding_blocks_held_max",
                  "kv_slots_out_of_window", "kv_blocks_freed_out_of_window_total",
-                 "kv_cache_bytes_per_token", "cache_config_info"):
+                 "kv_cache_bytes_per_token"):
         assert f"octavo:{name}" in m, name
     assert 'cache_dtype="float32"' in httpx.get(f"{tiny_server.url}/metrics").text
     assert m["octavo:kv_cache_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # the tiny model, fp32
     assert m["octavo:kv_blocks_total"] == 2048
-    assert m["octavo:e2e_request_latency_seconds_count"] >= 1
-    assert m["octavo:generation_tokens_total"] >= 3
+    assert m["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert m["vllm:generation_tokens_total"] >= 3
 
 
 def start_serve_process(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:

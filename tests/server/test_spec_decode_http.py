@@ -14,7 +14,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^octavo:{name}(?:_total)?{{[^}}]*{labels}[^}}]*}} ([0-9.e+]+)$", text,
+    m = re.search(rf"^vllm:{name}(?:_total)?{{[^}}]*{labels}[^}}]*}} ([0-9.e+]+)$", text,
                   re.MULTILINE)
     assert m, f"no {name}{labels} in /metrics"
     return float(m.group(1))

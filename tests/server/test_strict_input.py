@@ -112,7 +112,7 @@ def test_the_offline_api_rejects_non_finite_values_too():
 def test_prompts_per_request_and_prompts_times_n_are_bounded(http, tiny_server):
     limits = tiny_server.engine  # the defaults: 128 prompts, 1024 sequences
     assert limits is not None
-    before = tiny_server.metrics()["octavo:prompt_tokens_total"]
+    before = tiny_server.metrics()["vllm:prompt_tokens_total"]
     assert_error(http.post("/v1/completions", json={"prompt": ["x"] * 129, "max_tokens": 1}),
                  400, "129 prompts", "at most 128", param="prompt")
     assert_error(http.post("/v1/completions", json={"prompt": [[5]] * 100, "n": 11,
@@ -120,7 +120,7 @@ def test_prompts_per_request_and_prompts_times_n_are_bounded(http, tiny_server):
                  400, "1100 sequences", param="n")
     assert_error(http.post("/v1/completions", json={"prompt": [], "max_tokens": 1}), 400)
     # nothing of the refused requests reached the engine
-    assert tiny_server.metrics()["octavo:prompt_tokens_total"] == before
+    assert tiny_server.metrics()["vllm:prompt_tokens_total"] == before
     ok = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 6
 

@@ -66,6 +66,11 @@ class Executor(ABC):
         """The runner's drafter (speculative decoding by a model), if it runs in-process."""
         return None if self.runner is None else self.runner.drafter
 
+    def kv_block_format(self) -> str:
+        """What the bytes of one KV block are (dtype and shape): part of the KV tier's
+        fingerprint. The tier runs with the model in this process only."""
+        raise NotImplementedError(f"{type(self).__name__} runs no KV tier")
+
     def worker_pids(self) -> list[int]:
         """The workers' processes, in rank order (none: the model runs in this process)."""
         return []
@@ -100,6 +105,10 @@ class UniExecutor(Executor):
     def kernel_path(self) -> dict[str, Any]:
         assert self.runner is not None
         return self.runner.kernel_path()
+
+    def kv_block_format(self) -> str:
+        assert self.runner is not None and self.runner.kv_cache is not None
+        return self.runner.kv_cache.block_format()
 
 
 class RankedExecutor(Executor):

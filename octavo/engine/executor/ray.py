@@ -42,6 +42,10 @@ PLACEMENT_TIMEOUT_S = 120
 class RayWorker(Worker):
     """A Worker that can say where it is (the actor's class)."""
 
+    def device_of_rank(self, device: str) -> str:
+        """Ray shows each actor only the GPU it was given: cuda:0 (model/worker/device.py)."""
+        return "cuda:0" if device.startswith("cuda") else device
+
     def where(self) -> tuple[str, int]:
         """This actor's node address, as the cluster reaches it, and its pid."""
         import ray

@@ -12,6 +12,8 @@
   oneDNN's GEMM), and `int8_linear`, the three in one call.
 - `block_linear`, `block_dequantize`: linear layers whose weights stay in 4-bit or 8-bit blocks
   (GGUF Q4_0/Q4_1/Q8_0, int4; block_quant.py).
+- `kquant_linear`, `kquant_dequantize`: the same for GGUF's K-quant super-blocks (Q4_K, Q5_K,
+  Q6_K) on integer dot products, the AVX-512 build taking AVX512-VNNI where the CPU has it.
 - `DecodeStack`: every decoder layer of an all-decode step in one C++ loop (decode_stack.py).
 
 They are built with torch's C++ extension tooling into ``$OCTAVO_CACHE/torch_extensions/<isa>``
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
            "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp", "int8_gemv.cpp",
-           "packed_gemv.cpp", "kv_write.cpp")
+           "packed_gemv.cpp", "kquant_linear.cpp", "kv_write.cpp")
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 
@@ -57,9 +59,9 @@ def resolve_kernels(setting: str, choice: str | None, device: torch.device) -> s
         raise ValueError(f"{setting}='cpu' runs on CPU only")
     if choice in ("cpu", "torch"):
         return choice
-    from octavo.model.kernels.triton import triton_missing  # without a GPU: the interpreter
+    from octavo.model.kernels.triton import triton_missing  # CPU tensors: the interpreter
 
-    problem = triton_missing()
+    problem = triton_missing(device.type)
     if choice == "auto":
         return "triton" if device.type == "cuda" and problem is None else "torch"
     if problem is not None:

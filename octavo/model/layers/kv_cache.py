@@ -41,11 +41,16 @@ class KVCache:
         device: torch.device,
         num_host_blocks: int = 0,
         fmt: KVFormat | None = None,
+        scales_id: str = "",
     ) -> None:
+        """`scales_id`: names the per-layer scales an fp8 cache's values were divided by (a
+        digest of them), for `block_format`: the same bytes under other scales are other
+        values."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.groups = groups = config.kv_groups
         self.fmt = fmt = fmt or KVFormat("auto", dtype)
+        self.scales_id = scales_id
         dtype = fmt.dtype
         rows = num_blocks + 1 if groups.has_window else num_blocks
         shape = (groups.slots_per_group, 2, rows, block_size, config.num_kv_heads,
@@ -84,6 +89,40 @@ class KVCache:
         src, dst = self._index(pairs, torch.device("cpu"))
         device = self.device_cache.device
         self.device_cache[:, :, dst.to(device)] = self.host_cache[:, :, src].to(device)
+
+    # -- one block as bytes (the KV tier's only door into the cache) ----------------------------
+    def block_format(self) -> str:
+        """What the bytes of one block are: dtype and shape (and a quantized format's name, with
+        fp8's scales), the KV tier's records are only read back into a cache of the same format
+        (it is part of the tier's fingerprint). An int8 block carries its rows' scales."""
+        shape = [d for i, d in enumerate(self.device_cache.shape) if i != 2]
+        plain = f"{str(self.device_cache.dtype).removeprefix('torch.')}{shape}"
+        if not self.fmt.quantized:
+            return plain
+        scales = f" scales {self.scales_id}" if self.scales_id else ""
+        return f"{self.fmt.name} pages{scales}: {plain}"
+
+    @property
+    def block_nbytes(self) -> int:
+        c = self.device_cache
+        return c[:, :, 0].numel() * c.element_size()
+
+    def read_block(self, block_id: int) -> bytes:
+        """A copy of block `block_id`'s K and V for every layer slot, as bytes."""
+        block = self.device_cache[:, :, block_id].contiguous()
+        return block.view(torch.uint8).cpu().numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes | bytearray | memoryview) -> None:
+        """Fill block `block_id` with bytes read_block gave (of a cache of this format)."""
+        view = memoryview(data).cast("B")
+        if view.nbytes != self.block_nbytes:
+            raise ValueError(f"a KV block of this cache takes {self.block_nbytes} bytes, got "
+                             f"{view.nbytes}")
+        cache = self.device_cache
+        if view.readonly:
+            view = memoryview(bytearray(view))
+        src = torch.frombuffer(view, dtype=torch.uint8).view(cache.dtype)
+        cache[:, :, block_id] = src.view(cache[:, :, block_id].shape).to(cache.device)
 
     @staticmethod
     def _index(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -6,13 +6,18 @@ them alone. One forward pass, in transformers' `grouped_mm` op order (its defaul
 implementation), so fp32 results agree bit for bit where the matmuls do:
 
 1. router logits, softmax in fp32, top-k, optionally renormalised over the k;
-2. the T * k (token, expert) pairs sorted by expert (one sort, one bincount for the group sizes);
+2. the T * k (token, expert) pairs sorted by expert (one sort), each expert's end row found by
+   a binary search in the sorted ids (on the device: nothing is read back to the host);
 3. one grouped matmul for gate_up and one for down over the sorted rows (torch's grouped_mm
    where it runs for the device and dtype; otherwise one matmul per expert that has tokens, at
    most E iterations — never a loop over tokens);
 4. each row scaled by its routing weight, unsorted, and the k rows of each token summed.
 
 Qwen2-MoE adds a shared expert (a dense MLP) scaled by sigmoid(shared_expert_gate(x)).
+
+Inside a CUDA graph nothing may wait for the host: the grouped path never does, while the
+per-expert fallback reads the group sizes back once per block. `graph_safe` tells the runner,
+once at start-up, whether a model's decode steps may be captured (cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from torch import nn
 
 from octavo.config import ModelConfig
 from octavo.model.layers.decoder import MLP
-from octavo.model.layers.weights import Put, Take
+from octavo.model.layers.weights import Put, Take, cat, stack
 
 
 @cache
@@ -45,7 +50,7 @@ def grouped_mm_usable(device_type: str, dtype: torch.dtype) -> bool:
             got = fn(x, w.transpose(-2, -1), offs=offs)
             want = torch.cat([F.linear(x[:2], w[0]), F.linear(x[2:], w[2])])
         return bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+    except Exception:  # whatever a device or build without it raises: the fallback runs
         return False
 
 
@@ -118,10 +123,12 @@ class SparseMoeBlock(nn.Module):
         flat_ids = ids.reshape(-1)  # [S], S = T * top_k, row j is token j // top_k
         sorted_ids, perm = torch.sort(flat_ids, stable=True)
         rows = x[perm // self.top_k]
-        counts_t = torch.bincount(sorted_ids, minlength=self.num_experts)
-        offsets = torch.cumsum(counts_t, dim=0, dtype=torch.int32)
+        experts = torch.arange(self.num_experts, device=x.device, dtype=sorted_ids.dtype)
+        # each expert's end row, cumulative (grouped_mm's offs), found on the device
+        offsets = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
         grouped = grouped_mm_usable(x.device.type, x.dtype)
-        counts = None if grouped else counts_t.tolist()  # the one host sync of the loop
+        # the one host sync of the fallback loop (never inside a graph: see graph_safe)
+        counts = None if grouped else torch.diff(offsets, prepend=offsets[:1] * 0).tolist()
         h = grouped_linear(rows, self.gate_up_proj, offsets, counts, grouped)
         if self.ops is not None:
             h = self.ops.silu_and_mul(h.contiguous())
@@ -163,11 +170,19 @@ def load_experts(src: str, dst: str, take: Take, put: Put, num_experts: int,
         put(f"{dst}down_proj", take(f"{src}experts.down_proj"))
         return
     gate, up, down = names
-    gate_up = [torch.cat([take(f"{src}experts.{e}.{gate}.weight"),
-                          take(f"{src}experts.{e}.{up}.weight")]) for e in range(num_experts)]
-    put(f"{dst}gate_up_proj", torch.stack(gate_up))
-    put(f"{dst}down_proj", torch.stack([take(f"{src}experts.{e}.{down}.weight")
-                                        for e in range(num_experts)]))
+    gate_up = [cat([take(f"{src}experts.{e}.{gate}.weight"),
+                    take(f"{src}experts.{e}.{up}.weight")]) for e in range(num_experts)]
+    put(f"{dst}gate_up_proj", stack(gate_up))
+    put(f"{dst}down_proj", stack([take(f"{src}experts.{e}.{down}.weight")
+                                  for e in range(num_experts)]))
+
+
+def graph_safe(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `model`'s MoE blocks (if any) run without reading anything back to the host on
+    `device` in `dtype`, as a CUDA graph needs: their experts go through grouped_mm there."""
+    if not any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+        return True
+    return grouped_mm_usable(device.type, dtype)
 
 
 def set_moe_ops(model: nn.Module, ops: Any) -> None:

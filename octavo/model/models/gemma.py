@@ -160,7 +160,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()
 
-    def use_cpu_ops(self, ops: Any) -> None:
+    def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
         """Nothing to switch: the compiled ops are Llama's norm and SiLU (see the module doc)."""
 
     def _load_mlp(self, src: str, dst: str, take: Take, put: Put) -> None:

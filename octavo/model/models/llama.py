@@ -9,7 +9,7 @@ checkpoint differs overrides one of the `_load_*` steps (phi3.py, qwen3.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,14 +20,14 @@ from octavo.model.layers.attention.base import AttentionBackend, AttentionMetada
 from octavo.model.layers.decoder import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from octavo.model.layers.kv_cache import KVCache
 from octavo.model.layers.linear import PackedLinear
-from octavo.model.layers.weights import Put, Take
+from octavo.model.layers.weights import Put, Take, Value, cat, copy_into
 
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False  # Qwen3 sets it
     # tensor parallelism: cuts this rank's slice from each full checkpoint tensor as it loads
     # (tensor_parallel.ShardPlan.shard); None: the whole model
-    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    shard: Callable[[str, Value], Value] | None = None
     # what quantization=... did at load (quantization.QuantReport), None: full precision
     quant_report: Any = None
     # the C++ loop over the layers for all-decode steps (decode_stack.py), None: Python only
@@ -85,12 +85,13 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, PackedLinear):
                 module.use_gemv(ops, packed_gemv_rows)
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load an HF Llama checkpoint's tensors, fusing q/k/v and gate/up."""
+    def load_hf_state_dict(self, tensors: Mapping[str, Value]) -> None:
+        """Load an HF Llama checkpoint's tensors (plain, or lazy ones read as they are put:
+        layers/weights.py), fusing q/k/v and gate/up."""
         own = dict(self.named_parameters())
         loaded: set[str] = set()
 
-        def put(name: str, value: torch.Tensor) -> None:
+        def put(name: str, value: Value) -> None:
             if name not in own:
                 raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r}")
             if self.shard is not None:
@@ -102,10 +103,10 @@ class LlamaForCausalLM(nn.Module):
                     f"expected {tuple(param.shape)}"
                 )
             with torch.no_grad():
-                param.copy_(value)
+                copy_into(param, value)
             loaded.add(name)
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Value:
             if name not in tensors:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return tensors[name]
@@ -131,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         for kind in ("weight", "bias"):
             if kind == "weight" or self.config.attention_bias:
                 qkv = [take(f"{src}{p}_proj.{kind}") for p in ("q", "k", "v")]
-                put(f"{dst}qkv_proj.{kind}", torch.cat(qkv, dim=0))
+                put(f"{dst}qkv_proj.{kind}", cat(qkv))
             if kind == "weight" or self.config.o_proj_bias:
                 put(f"{dst}o_proj.{kind}", take(f"{src}o_proj.{kind}"))
 
@@ -141,5 +142,5 @@ class LlamaForCausalLM(nn.Module):
             if kind == "bias" and not self.config.mlp_bias:
                 continue
             gate_up = [take(f"{src}{p}_proj.{kind}") for p in ("gate", "up")]
-            put(f"{dst}gate_up_proj.{kind}", torch.cat(gate_up, dim=0))
+            put(f"{dst}gate_up_proj.{kind}", cat(gate_up))
             put(f"{dst}down_proj.{kind}", take(f"{src}down_proj.{kind}"))

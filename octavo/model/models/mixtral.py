@@ -23,8 +23,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
                 intermediate=config.intermediate_size, norm_topk_prob=True,
                 weights_in_model_dtype=False)
 
-    def use_cpu_ops(self, ops: Any) -> None:
-        super().use_cpu_ops(ops)
+    def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
+        super().use_cpu_ops(ops, packed_gemv_rows)
         set_moe_ops(self, ops)
 
     def _load_mlp(self, src: str, dst: str, take: Take, put: Put) -> None:

@@ -35,8 +35,8 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
                 weights_in_model_dtype=True,
                 shared_intermediate=int(hf["shared_expert_intermediate_size"]))
 
-    def use_cpu_ops(self, ops: Any) -> None:
-        super().use_cpu_ops(ops)
+    def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
+        super().use_cpu_ops(ops, packed_gemv_rows)
         set_moe_ops(self, ops)
 
     def _load_mlp(self, src: str, dst: str, take: Take, put: Put) -> None:

@@ -13,8 +13,9 @@ layer and one all-reduce joins the slices after attention and one after the MLP.
   (and so the whole paging state) are the same on every rank.
 
 Heads and intermediate units need not divide evenly: SmolLM2-135M's 3 KV heads go 2 + 1 over two
-ranks. Every rank needs at least one KV head. The slices are cut from the full checkpoint at
-load time (`ShardPlan.shard`, called by the model's loader on every tensor it puts).
+ranks. Every rank needs at least one KV head. The slices are cut from the checkpoint at load
+time (`ShardPlan.shard`, called by the model's loader on every tensor it puts): on the lazy
+checkpoint tensors of layers/weights.py, so a rank reads only its own slice of each file.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from octavo.config import ModelConfig
+from octavo.model.layers.weights import Value, cat, zeros, zeros_like
 from octavo.model.parallel.shm_comm import ShmComm
 
 # families whose layers are all Llama's Attention and gated MLP (the MoE families are not)
@@ -133,8 +135,9 @@ class ShardPlan:
             self.full, num_kv_heads=kv, num_heads=kv * self.group_size,
             intermediate_size=self.inter[1] - self.inter[0], vocab_size=self.vocab_rows)
 
-    def shard(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the full tensor a model parameter `name` is loaded from."""
+    def shard(self, name: str, value: Value) -> Value:
+        """This rank's slice of the full tensor (or lazy checkpoint tensor) a model parameter
+        `name` is loaded from."""
         leaf = name.rsplit(".", 2)
         what = ".".join(leaf[-2:])  # e.g. "qkv_proj.weight"
         d = self.full.head_dim
@@ -144,7 +147,7 @@ class ShardPlan:
             q, k, v = value.split([q_size, kv_size, kv_size], dim=0)
             lo, hi = self.kv_heads
             g = self.group_size
-            return torch.cat([q[lo * g * d : hi * g * d], k[lo * d : hi * d], v[lo * d : hi * d]])
+            return cat([q[lo * g * d : hi * g * d], k[lo * d : hi * d], v[lo * d : hi * d]])
         if what == "o_proj.weight":
             lo, hi = self.kv_heads
             g = self.group_size
@@ -152,17 +155,17 @@ class ShardPlan:
         if what in ("gate_up_proj.weight", "gate_up_proj.bias"):
             gate, up = value.chunk(2, dim=0)
             lo, hi = self.inter
-            return torch.cat([gate[lo:hi], up[lo:hi]])
+            return cat([gate[lo:hi], up[lo:hi]])
         if what == "down_proj.weight":
             lo, hi = self.inter
             return value[:, lo:hi]
         if what in ("o_proj.bias", "down_proj.bias"):
-            return value if self.rank == 0 else torch.zeros_like(value)
+            return value if self.rank == 0 else zeros_like(value)
         if name in ("embed_tokens.weight", "lm_head.weight"):
             rows = value[self.vocab_start : self.vocab_end]
             pad = self.vocab_rows - rows.shape[0]
             if pad:
-                rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+                rows = cat([rows, zeros((pad, rows.shape[1]), like=rows)])
             return rows
         if "experts" in name or "gate.weight" in name:
             raise ValueError(f"tensor parallelism cannot shard {name!r} (a MoE layer)")

@@ -18,6 +18,13 @@ time into one reused fp32 buffer and multiply them through the GEMM library, whe
 arithmetic, not the weight bytes, is what costs; for the GGUF formats its activations are
 quantized as the kernel's are, so a token's logits do not depend on the size of its batch
 beyond the order of fp32 sums.
+
+GGUF's K-quants (Q4_K, Q5_K, Q6_K; kquant.py) are held as the file's super-blocks of 256, one
+uint8 tensor per layer, and computed by csrc/kquant_linear.cpp on integer dot products against
+activations quantized per 256, at every batch size: at prefill sizes that kernel measured at or
+above the widened tiles + oneDNN fp32 GEMM (`octavo bench kquant`; BENCHMARKS.md), and with it a
+row's result does not depend on the batch it is computed in at all. `_tiled` still widens them
+(the benchmark's comparison).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from octavo.model.quant import kquant
 
 logger = logging.getLogger(__name__)
 
@@ -104,16 +113,20 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class BlockFormat:
-    name: str  # q4_0, q4_1, q8_0, int4
-    kind: int
-    group: int
+    name: str  # q4_0, q4_1, q8_0, int4, q4_k, q5_k, q6_k
+    kind: int  # INT4, INT8 or a K-quant's (kquant.Q4_K, Q5_K, Q6_K)
+    group: int  # weights per block (K-quants: the super-block of 256)
     # decode quantizes the activations per block of 32 to int8 and takes integer dot
     # products (GGUF's formats, as llama.cpp computes them); False: fp32 activations
     int8_activations: bool = False
 
     @property
     def bits(self) -> int:
-        return 4 if self.kind == INT4 else 8
+        return {INT4: 4, INT8: 8, kquant.Q4_K: 4, kquant.Q5_K: 5, kquant.Q6_K: 6}[self.kind]
+
+    @property
+    def kquant(self) -> bool:
+        return kquant.is_kquant(self.kind)
 
 
 class BlockQuantLinear(nn.Module):
@@ -124,11 +137,26 @@ class BlockQuantLinear(nn.Module):
         super().__init__()
         self.fmt = fmt
         self.out_features = q.shape[0]
+        if fmt.kquant:  # the super-blocks hold their own scales
+            if scale is not None or mins is not None:
+                raise ValueError(f"{fmt.name}: the super-blocks hold their scales; scale and "
+                                 "mins must be None")
+            self.in_features = kquant.in_features(fmt.kind, q)
+            if q.dtype != torch.uint8:
+                raise ValueError(f"{fmt.name}: q must be uint8 super-blocks, not {q.dtype}")
+            self.register_buffer("q", q.contiguous())
+            self.register_buffer("scale", None)
+            self.register_buffer("mins", None)
+            self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
+                                                               requires_grad=False)
+            self.ops = None
+            return
         self.in_features = q.shape[1] * (2 if fmt.kind == INT4 else 1)
         if self.in_features % fmt.group:
             raise ValueError(f"{fmt.name}: {self.in_features} input features are not a "
                              f"multiple of the group size {fmt.group}")
         self.register_buffer("q", q.contiguous())
+        assert scale is not None
         self.register_buffer("scale", scale.reshape(self.out_features, -1).half().contiguous())
         self.register_buffer("mins", None if mins is None
                              else mins.reshape(self.out_features, -1).half().contiguous())
@@ -152,15 +180,41 @@ class BlockQuantLinear(nn.Module):
                    for t in (self.q, self.scale, self.mins) if t is not None)
 
     def dequantized_weight(self) -> torch.Tensor:
+        if self.fmt.kquant:
+            return kquant.dequantize(self.fmt.kind, self.q)
         return dequantize(self.fmt.kind, self.q, self.scale, self.mins, self.fmt.group)
+
+    def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """Rows `row_ids` of the weight as fp32 [len(row_ids), in_features] (a token
+        embedding kept in blocks looks its tokens up with this)."""
+        ids = row_ids.reshape(-1).long()
+        if self.fmt.kquant:
+            q = self.q.index_select(0, ids)
+            if self.ops is not None:
+                return self.ops.kquant_dequantize(self.fmt.kind, q, 0, q.shape[0], None)
+            return kquant.dequantize(self.fmt.kind, q)
+        mins = None if self.mins is None else self.mins.index_select(0, ids)
+        return dequantize(self.fmt.kind, self.q.index_select(0, ids),
+                          self.scale.index_select(0, ids), mins, self.fmt.group)
+
+    def _widen(self, start: int, end: int, buf: torch.Tensor) -> torch.Tensor:
+        """Weight rows [start, end) as fp32, in `buf`."""
+        if self.fmt.kquant:
+            return self.ops.kquant_dequantize(self.fmt.kind, self.q, start, end, buf)
+        return self.ops.block_dequantize(self.fmt.kind, self.q, self.scale, self.mins,
+                                         self.fmt.group, start, end, buf)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.ops is None:  # no compiled ops: the same arithmetic in torch
             xin = x2.float()
-            if self.fmt.int8_activations:
+            if self.fmt.kquant:
+                xin = kquant.activations_as_computed(xin)
+            elif self.fmt.int8_activations:
                 xin = quantize_activations(xin)
             out = F.linear(xin, self.dequantized_weight(), self.bias).to(x.dtype)
+        elif self.fmt.kquant:
+            out = self.ops.kquant_linear(x2.contiguous(), self.fmt.kind, self.q, self.bias)
         elif x2.shape[0] <= SMALL_BATCH:
             out = self.ops.block_linear(x2.contiguous(), self.fmt.kind, self.q, self.scale,
                                         self.mins, self.fmt.group, self.bias,
@@ -173,19 +227,19 @@ class BlockQuantLinear(nn.Module):
         """Large batches: a few hundred weight rows at a time widened into one reused buffer,
         then multiplied through torch's GEMM."""
         xf = x2.float().contiguous()
-        if self.fmt.int8_activations:  # the same activations as the small-batch kernel
+        if self.fmt.kquant:  # the same activations as the small-batch kernel
+            xf = kquant.activations_as_computed(xf)
+        elif self.fmt.int8_activations:
             xf = quantize_activations(xf)
         rows = max(16, TILE_ELEMENTS // self.in_features)
         buf = _tile_buffer(min(rows, self.out_features) * self.in_features)
         if rows >= self.out_features:  # the whole layer in one tile
-            w = self.ops.block_dequantize(self.fmt.kind, self.q, self.scale, self.mins,
-                                          self.fmt.group, 0, self.out_features, buf)
+            w = self._widen(0, self.out_features, buf)
             return _gemm(xf, w, self.bias).to(x2.dtype)
         out = torch.empty(xf.shape[0], self.out_features, dtype=torch.float32)
         for start in range(0, self.out_features, rows):
             end = min(start + rows, self.out_features)
-            w = self.ops.block_dequantize(self.fmt.kind, self.q, self.scale, self.mins,
-                                          self.fmt.group, start, end, buf)
+            w = self._widen(start, end, buf)
             out[:, start:end] = _gemm(xf, w, None if self.bias is None else
                                       self.bias[start:end])
         return out.to(x2.dtype)

@@ -1,10 +1,10 @@
-"""`quantization="gguf"`: a GGUF model's Q4_0, Q4_1 and Q8_0 linear weights kept in their
-blocks and computed directly (block_quant.py), instead of the dequantized fp32 copy the loader
-makes of every tensor (loader.py). Tensors of other types keep that copy, as do the token
-embeddings (a lookup, not a matmul) and the norms.
+"""`quantization="gguf"`: a GGUF model's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K linear weights
+kept in their blocks and computed directly (block_quant.py), instead of the dequantized fp32
+copy the loader makes of every tensor (loader.py). Tensors of other types keep that copy, as do
+the token embeddings (a lookup, not a matmul) and the norms.
 
-The blocks are read with the `gguf` package (which transformers' GGUF loading uses too), split
-into planes (quants, float16 scales, float16 mins) and given the rows the HF layout has: GGUF's
+The blocks are read with the `gguf` package (which transformers' GGUF loading uses too), turned
+into the formats octavo computes in (gguf_blocks.py) and given the rows the HF layout has: GGUF's
 llama files store q_proj and k_proj with their rows permuted for llama.cpp's RoPE, which
 transformers undoes on the dequantized tensors; here the same row permutation is applied to
 the blocks (a row of blocks is a row of weights). q/k/v and gate/up are concatenated by rows as
@@ -18,44 +18,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from octavo.config import ModelConfig
-from octavo.model.quant.block_quant import INT4, INT8, BlockFormat, BlockQuantLinear
+from octavo.model.quant.gguf_blocks import FORMATS, Blocks, _planes, block_linears, fused_linear
 from octavo.model.quant.quantization import QuantReport
 
 logger = logging.getLogger(__name__)
 
-# GGML type name -> (format, bytes per block of 32)
-FORMATS = {
-    "Q4_0": (BlockFormat("q4_0", INT4, 32, int8_activations=True), 18),
-    "Q4_1": (BlockFormat("q4_1", INT4, 32, int8_activations=True), 20),
-    "Q8_0": (BlockFormat("q8_0", INT8, 32, int8_activations=True), 34),
-}
 GGUF_ARCH = "llama"  # the architecture whose tensor names and permutations this maps
-
-
-def _planes(type_name: str, raw: np.ndarray, rows: int, cols: int):
-    """A GGUF tensor's raw blocks [rows, bytes] -> (q, scale, mins) torch tensors."""
-    fmt, size = FORMATS[type_name]
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, size)
-    scale = blocks[..., 0:2].copy().view(np.float16).reshape(rows, cols // 32)
-    if type_name == "Q4_0":  # w = (q - 8) d = q d + (-8 d); -8 d is exact in float16
-        q = blocks[..., 2:18].reshape(rows, cols // 2)
-        if np.abs(scale.astype(np.float32)).max(initial=0) * 8 > np.finfo(np.float16).max:
-            return None  # -8 d overflows float16 (weights past 65504): dequantized instead
-        mins = (scale.astype(np.float32) * -8).astype(np.float16)
-    elif type_name == "Q4_1":
-        mins = blocks[..., 2:4].copy().view(np.float16).reshape(rows, cols // 32)
-        q = blocks[..., 4:20].reshape(rows, cols // 2)
-    else:
-        q = blocks[..., 2:34].copy().view(np.int8).reshape(rows, cols)
-        mins = None
-    to = torch.from_numpy
-    return fmt, to(np.ascontiguousarray(q)), to(np.ascontiguousarray(scale)), (
-        None if mins is None else to(np.ascontiguousarray(mins)))
 
 
 def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
@@ -80,31 +52,23 @@ class GGUFBlocks:
                              f"{str(path)!r} is {name!r}")
         self.tensors = {t.name: t for t in self.reader.tensors}
 
-    def get(self, name: str, rows_perm: torch.Tensor | None = None):
-        """(format, q, scale, mins) of tensor `name`, or None when it is not Q4_0/Q4_1/Q8_0."""
+    def get(self, name: str, rows_perm: torch.Tensor | None = None) -> Blocks | None:
+        """Tensor `name` in its block format (gguf_blocks.py), rows in the order `rows_perm`,
+        or None when its type has none (the loader's fp32 copy stays)."""
         t = self.tensors.get(name)
         if t is None or t.tensor_type.name not in FORMATS:
             return None
         cols, rows = int(t.shape[0]), int(t.shape[1])
-        planes = _planes(t.tensor_type.name, t.data, rows, cols)
-        if planes is None:
+        blocks = _planes(t.tensor_type.name, t.data, rows, cols)
+        if blocks is None:
             logger.warning("GGUF tensor %s: Q4_0 scales too large for float16 mins; it is "
                            "dequantized instead", name)
             return None
-        fmt, q, scale, mins = planes
-        if rows_perm is not None:
-            q, scale = q[rows_perm].contiguous(), scale[rows_perm].contiguous()
-            mins = None if mins is None else mins[rows_perm].contiguous()
-        return fmt, q, scale, mins
+        return blocks.rows(rows_perm)
 
-
-def _cat(parts):
-    """Concatenate (format, q, scale, mins) by rows; None unless all share one format."""
-    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
-        return None
-    fmt = parts[0][0]
-    mins = None if parts[0][3] is None else torch.cat([p[3] for p in parts])
-    return fmt, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]), mins
+    def type_name(self, name: str) -> str | None:
+        t = self.tensors.get(name)
+        return None if t is None else t.tensor_type.name
 
 
 def apply_gguf_blocks(model: nn.Module, config: ModelConfig, gguf_path: Path,
@@ -128,17 +92,20 @@ def apply_gguf_blocks(model: nn.Module, config: ModelConfig, gguf_path: Path,
     plan.append((model, "lm_head", [(head, None)]))
     layers = before = after = 0
     formats: Counter[str] = Counter()
+    dequantized: Counter[str] = Counter()
     # a weight another module also holds (a tied LM head's is the embedding's) stays in memory
     holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for parent, attr, sources in plan:
         linear = getattr(parent, attr)
         if type(linear) is not nn.Linear:
             continue
-        got = _cat([blocks.get(name, perm) for name, perm in sources])
-        if got is None:
-            continue  # another type: the layer keeps the dequantized weight
-        fmt, q, scale, mins = got
-        layer = BlockQuantLinear(fmt, q, scale, mins, linear.bias)
+        layer = fused_linear([blocks.get(name, perm) for name, perm in sources], linear.bias)
+        if layer is None:  # another type: the layer keeps the dequantized weight
+            for name, _ in sources:
+                kind = blocks.type_name(name)
+                if kind is not None and kind not in FORMATS and kind != "F32":
+                    dequantized[kind] += 1
+            continue
         if (layer.out_features, layer.in_features) != tuple(linear.weight.shape):
             raise ValueError(f"GGUF blocks for {attr} are [{layer.out_features}, "
                              f"{layer.in_features}], the layer is {tuple(linear.weight.shape)}")
@@ -147,10 +114,15 @@ def apply_gguf_blocks(model: nn.Module, config: ModelConfig, gguf_path: Path,
             before += linear.weight.numel() * linear.weight.element_size()
         after += layer.nbytes()
         layers += 1
-        formats[fmt.name] += 1
+        formats["+".join(p.fmt.name for p in block_linears(layer))] += 1
         setattr(parent, attr, layer)
+    if dequantized:
+        logger.info("quantization gguf: linear weights of types octavo does not compute in "
+                    "blocks are dequantized to fp32: %s (in blocks: %s)",
+                    ", ".join(f"{k} x{v}" for k, v in sorted(dequantized.items())),
+                    ", ".join(FORMATS))
     if layers == 0:
-        raise ValueError(f"{str(gguf_path)!r} has no Q4_0, Q4_1 or Q8_0 linear weights; "
+        raise ValueError(f"{str(gguf_path)!r} has no {', '.join(FORMATS)} linear weights; "
                          "quantization='gguf' has nothing to keep in blocks")
     report = QuantReport("gguf", layers, before, after)
     logger.info("quantization gguf: %d linear layers kept in GGUF blocks (%s) from %s; weights "

@@ -11,12 +11,13 @@ for each of the n parallel samples of one request.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from octavo.model.sample.reasoning_budget import forced_reasoning_token
 from octavo.sampling_params import SAMPLING_EPS, SamplingParams
 
 
@@ -48,6 +49,9 @@ class SamplingMetadata:
     # (rows, allowed [len(rows), V] bool): tokens those rows may sample (structured outputs'
     # grammar bitmask and allowed_token_ids); every other row may sample any token
     allowed: tuple[Tensor, Tensor] | None = None
+    # (row, token id): rows whose reasoning budget is spent sample this token (the next of
+    # the end-of-thinking marker), if the other constraints allow it
+    forced: list[tuple[int, int]] = field(default_factory=list)
     # Shortcuts so a plain batch skips work it does not need.
     all_greedy: bool = False
     do_penalties: bool = False
@@ -102,6 +106,12 @@ class SamplingMetadata:
                 bias_rows.append(row)
                 bias_ids.append(token_id)
                 bias_values.append(bias)
+        forced = []
+        for row, (p, t, k) in enumerate(zip(params, token_ids, num_prompt_tokens, strict=True)):
+            if p.thinking_token_budget is not None:
+                token = forced_reasoning_token(p, t, k)
+                if token is not None and 0 <= token < vocab_size:
+                    forced.append((row, token))
         do_penalties = any(
             p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
             for p in params
@@ -135,6 +145,7 @@ class SamplingMetadata:
             do_top_p=any(p.top_p < 1.0 for p in non_greedy),
             do_min_p=any(p.min_p > 0.0 for p in non_greedy),
             allowed=token_masks(params, vocab_size, grammar, device),
+            forced=forced,
         )
 
 

@@ -3,8 +3,8 @@
 The steps and their order follow vLLM so that outputs and user expectations match:
 logit_bias -> penalties (repetition on prompt+output, frequency/presence on output counts)
 -> allowed tokens (structured outputs' grammar, allowed_token_ids) -> min_tokens and bad-word
-bans -> greedy rows take argmax -> other rows: temperature, top-k, top-p, min-p,
-then sample.
+bans -> a spent reasoning budget's forced token -> greedy rows take argmax -> other rows:
+temperature, top-k, top-p, min-p, then sample.
 
 Sampling uses the "exponential race" (argmax of probs / q with q ~ Exp(1)), which is equivalent
 to drawing from the categorical distribution but lets each seeded row draw its own q with its
@@ -49,7 +49,8 @@ class Sampler:
         # allowed tokens, bans), so the caller's logits stay untouched; greedy rows and plain
         # sampling only read them (12 MB not copied per step at 64 rows of a 49k vocabulary).
         in_place = (batch.logit_bias is not None or batch.do_penalties or custom is not None
-                    or batch.allowed is not None or any(batch.banned_token_ids))
+                    or batch.allowed is not None or any(batch.banned_token_ids)
+                    or bool(batch.forced))
         logits = logits.to(torch.float32, copy=in_place)
         if batch.logit_bias is not None:
             rows, ids, values = batch.logit_bias
@@ -72,6 +73,8 @@ class Sampler:
                 dead = torch.isneginf(logits).all(dim=-1)
                 if bool(dead.any()):
                     logits[dead] = before[dead]
+        if batch.forced:
+            logits = apply_forced(logits, batch.forced)
 
         tokens = row_argmax(logits) if batch.all_greedy else self._sample(logits, batch)
         token_list = tokens.tolist()
@@ -97,6 +100,17 @@ class Sampler:
         gens = [batch.generators[i] for i in rows.tolist()]
         sampled = exponential_race(probs, gens)
         return greedy_tokens.index_copy(0, rows, sampled)
+
+
+def apply_forced(logits: Tensor, forced: list[tuple[int, int]]) -> Tensor:
+    """Each (row, token): the row may sample only that token, unless a constraint (a grammar,
+    allowed_token_ids, a ban) already ruled it out: constraints win over a reasoning budget."""
+    for row, token in forced:
+        value = logits[row, token].item()
+        if value != float("-inf"):
+            logits[row].fill_(float("-inf"))
+            logits[row, token] = value
+    return logits
 
 
 def row_argmax(x: Tensor) -> Tensor:

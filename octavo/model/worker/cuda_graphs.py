@@ -7,13 +7,18 @@ buffers: token ids, positions, and per KV cache group the slot mapping, the bloc
 (max_model_len / block_size wide), the context lengths and, for sliding groups, the position of
 each table's first entry. A step copies its inputs into the buffers, pads its batch up to the
 bucket and replays the bucket's graph; the padded rows write nothing (slot -1, which the
-Triton KV write skips), read one key and are never sampled. Steps with prefill chunks or
-drafts, and batches above the largest bucket, run eagerly. `enforce_eager` turns graphs off.
+Triton KV write skips), read one key and are never sampled. Every graph writes its logits into
+one shared buffer, so their common memory pool holds only the intermediate tensors of the
+largest bucket's forward (profile_run.graph_pool_peak sizes it before the KV cache). Steps
+with prefill chunks or drafts, and batches above the largest bucket, run eagerly.
+`enforce_eager` turns graphs off.
 
 The graphs need the Triton backend (its KV write skips slot -1 and nothing in its decode path
-synchronises with the host). `capture` is the capturing strategy: `cuda_capture` on a GPU;
-the tests pass `eager_capture`, which replays the same forward over the same buffers eagerly,
-so the buffer, padding and bucket logic is checked on CPU.
+synchronises with the host), one rank, and MoE layers that route on the device (moe.py's
+`graph_safe`); `graphs_off_because` decides it once at start-up and the runner logs why.
+`capture` is the capturing strategy: `cuda_capture` on a GPU; the tests pass `eager_capture`
+on CPU, which replays the same forward over the same buffers eagerly, so the buffer, padding
+and bucket logic is checked there too.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.moe import graph_safe
 from octavo.model.worker.input_batch import ModelInputs
 
 logger = logging.getLogger(__name__)
@@ -43,6 +49,23 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     if not sizes or sizes[-1] < top:
         sizes.append(top)
     return sizes
+
+
+def graphs_off_because(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                       backend: str, tp_size: int, enforce_eager: bool) -> str | None:
+    """Why decode steps of `model` run eagerly rather than from CUDA graphs, or None."""
+    if device.type != "cuda":
+        return "not on CUDA"
+    if enforce_eager:
+        return "enforce_eager"
+    if backend != "triton":
+        return f"attention_backend {backend} (graphs need Triton's, whose KV write skips slot -1)"
+    if tp_size > 1:
+        return "tensor parallelism"
+    if not graph_safe(model, device, dtype):
+        return (f"the MoE layers' per-expert matmuls read their group sizes on the host "
+                f"(torch's grouped_mm does not run for {dtype} on {device.type} here)")
+    return None
 
 
 def cuda_capture(fn: Callable[[], torch.Tensor], pool=None
@@ -86,6 +109,11 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(top, **long)
         self.positions = torch.zeros(top, **long)
         self.rows = torch.arange(top, **long)
+        # every bucket's logits land here: a graph's own output would stay in the pool for as
+        # long as the graph lives, one [bucket, vocab] fp32 tensor per bucket (760 MB at 256
+        # sequences of a 49k vocabulary); copied out, the pool holds the largest step's peak
+        self.logits = torch.empty(top, model.config.vocab_size, dtype=torch.float32,
+                                  device=device)
         self.groups = [_GroupBuffers(torch.full((top,), -1, **long),
                                      torch.zeros(top, self.width, **long),
                                      torch.ones(top, **long),
@@ -111,8 +139,11 @@ class DecodeGraphs:
                  for g in self.groups]
         ids, pos, rows = self.input_ids[:size], self.positions[:size], self.rows[:size]
 
+        out = self.logits[:size]
+
         def forward() -> torch.Tensor:
-            return self.model(ids, pos, self.kv_cache, metas, self.backend, rows)
+            out.copy_(self.model(ids, pos, self.kv_cache, metas, self.backend, rows))
+            return out
         return forward
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:

@@ -3,15 +3,16 @@ runs every decoder layer of a step whose rows are all single-token decodes in on
 calling the same compiled kernels in the same order as the Python layers (layers.py), so the
 logits are identical (tests/model/worker/test_decode_stack.py); prefill and mixed steps keep the
 Python path, and so do decode steps of more than block_quant.SMALL_BATCH rows on a model with
-block weights (their tiled path is Python's).
+32-weight block weights (their tiled path is Python's).
 
 It applies to the plain pre-norm Llama layer (Llama, Mistral/Qwen2 without sliding layers,
 SmolLM2, ...) on CPU with octavo's compiled ops and paged-decode kernel, whatever the linear
-layers are (oneDNN-packed fp32/bf16, int8, 4/8-bit blocks, plain); any other layer (Qwen3's
-q/k norms, Gemma's, MoE, sliding windows, soft caps), tensor parallelism or a hook on a
-module keeps the Python path. The engine option `decode_stack=False` turns it off (the
-benchmarks' A/B). Quantized KV pages (kv_cache_dtype) run here too: the loop writes them
-with `kv_write` and reads them in `paged_decode`, as the CPU attention backend does.
+layers are (oneDNN-packed fp32/bf16, int8, 4/8-bit blocks, GGUF K-quant super-blocks, plain);
+any other layer (Qwen3's q/k norms, Gemma's, MoE, sliding windows, soft caps), tensor
+parallelism or a hook on a module keeps the Python path. The engine option
+`decode_stack=False` turns it off (the benchmarks' A/B). Quantized KV pages (kv_cache_dtype)
+run here too: the loop writes them with `kv_write` and reads them in `paged_decode`, as the CPU
+attention backend does.
 """
 
 from __future__ import annotations
@@ -24,16 +25,22 @@ from torch import nn
 from octavo.model.layers.decoder import MLP, Attention, DecoderLayer, RMSNorm
 from octavo.model.layers.linear import PackedLinear
 from octavo.model.models.llama import LlamaForCausalLM
+from octavo.model.quant.block_concat import BlockConcat
 from octavo.model.quant.block_quant import SMALL_BATCH, BlockQuantLinear
 from octavo.model.quant.quantization import Int8Linear
 
 logger = logging.getLogger(__name__)
-BLOCK, ONEDNN, INT8, PLAIN = 0, 1, 2, 3
+BLOCK, ONEDNN, INT8, PLAIN, KQUANT, CONCAT = 0, 1, 2, 3, 4, 5
 
 
 def _linear_spec(m: nn.Module) -> tuple | None:
-    """(type, tensors, bias, kind, group, int8_activations[, packed_gemv's arguments]) for the
-    C++ loop, or None."""
+    """(type, tensors, bias, kind, group, int8_activations[, packed_gemv's arguments, or a
+    concatenation's parts' specs]) for the C++ loop, or None."""
+    if isinstance(m, BlockConcat):
+        parts = [_linear_spec(p) for p in m.parts]
+        return None if any(p is None for p in parts) else (CONCAT, [], None, 0, 0, False, parts)
+    if isinstance(m, BlockQuantLinear) and m.ops is not None and m.fmt.kquant:
+        return (KQUANT, [m.q], m.bias, m.fmt.kind, m.fmt.group, True)
     if isinstance(m, BlockQuantLinear) and m.ops is not None:
         tensors = [m.q, m.scale] + ([m.mins] if m.mins is not None else [])
         return (BLOCK, tensors, m.bias, m.fmt.kind, m.fmt.group, m.fmt.int8_activations)
@@ -90,7 +97,9 @@ def build_decode_stack(model: nn.Module, backend: Any, kv_groups: Any,
     attn = first.self_attn
     # a block-weight layer runs its register kernel up to SMALL_BATCH rows and its tiled path
     # above (BlockQuantLinear.forward): larger steps stay in Python, so both paths compute alike
-    blocks = any(isinstance(m, BlockQuantLinear) for m in model.layers.modules())
+    # (K-quant layers run one kernel at every size)
+    blocks = any(isinstance(m, BlockQuantLinear) and not m.fmt.kquant
+                 for m in model.layers.modules())
     stack = ops.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                             first.input_layernorm.eps, attn.scale,
                             SMALL_BATCH if blocks else 2**62)

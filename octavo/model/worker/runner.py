@@ -9,8 +9,9 @@ fit, `init_kv_cache(n)` allocates them.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,27 +37,21 @@ from octavo.model.spec.draft_acceptance import accept_drafts
 from octavo.model.spec.draft_model import DraftModelDrafter
 from octavo.model.spec.self_draft import SelfDrafter
 from octavo.model.worker.cache_sizing import KVBlockCounts, MemInfo, size_kv_blocks
-from octavo.model.worker.cuda_graphs import DecodeGraphs
+from octavo.model.worker.cuda_graphs import DecodeGraphs, batch_buckets, graphs_off_because
 from octavo.model.worker.decode_stack import build_decode_stack
+from octavo.model.worker.device import bind_device
 from octavo.model.worker.input_batch import InputBatch
 from octavo.model.worker.kv_calibration import (
     calibrate_kv_scales,
     calibration_token_ids,
     checkpoint_kv_scales,
 )
-from octavo.model.worker.profile_run import activation_peak
+from octavo.model.worker.profile_run import activation_peak, graph_pool_peak
 from octavo.model.worker.sampling_rows import SamplingRows, grammar_rows, sampling_rows
 from octavo.step_plan import RunnerOutput, StepPlan
 
 __all__ = ["DTYPES", "ModelRunner", "load_model"]
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> torch.device:
-    d = torch.device(device)
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but no CUDA device is available")
-    return d
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -74,6 +69,8 @@ class StepLogits:
     prompt: dict[int, torch.Tensor]
     # the plan as computed: with the drafts the runner proposed filled in
     plan: StepPlan
+    # the bytes of the plan's tier_saves blocks, copied out before the step wrote anything
+    saved_blocks: list[bytes] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -89,7 +86,7 @@ class ModelRunner:
         # what this rank's layers and KV cache hold (its heads and MLP units under TP)
         self.local_config = (ShardPlan(config, tp.rank, tp.size).local_config
                              if tp is not None and tp.size > 1 else config)
-        self.device = resolve_device(args.device)
+        self.device = bind_device(args.device)  # current before anything allocates
         # every `auto` kernel choice, resolved once (model/kernel_config.py)
         self.kernels, self.dtype_choice = resolve_kernel_config(
             args, config, self.device, tp.size if tp is not None else 1)
@@ -108,6 +105,13 @@ class ModelRunner:
                                 args.quantization, args.quantization_group_size,
                                 args.packed_gemv_rows)
         self.backend = get_backend(self.kernels.attention, self.device, isa)
+        why = graphs_off_because(self.model, self.device, self.dtype, self.backend.name,
+                                 tp.size if tp is not None else 1, args.enforce_eager)
+        # decided once: size_kv_blocks and init_kv_cache read it
+        self.use_cuda_graphs = self.kernels.cuda_graphs and why is None
+        if self.device.type == "cuda":
+            logger.info("CUDA graphs for decode: %s", "on" if self.use_cuda_graphs else
+                        f"off, decode steps run eagerly ({why or 'not asked for'})")
         self.batch = InputBatch(args.block_size, self.device, config.kv_groups.windows)
         self.sampler = Sampler()
         self.logits_processors = LogitsProcessors(args.logits_processors, args, self.device)
@@ -189,18 +193,25 @@ class ModelRunner:
             extra = KVCache.bytes_per_block(self.drafter.config, self.block_size, self.dtype)
         return size_kv_blocks(self.args, self.local_config, self.dtype, self.device,
                               mem_get_info, extra_block_bytes=extra,
-                              activation_peak=self.profile_run, fmt=self.kv_format)
+                              activation_peak=self.profile_run,
+                              graph_pool=self.graph_pool_run if self._wants_cuda_graphs()
+                              else None, fmt=self.kv_format)
 
     def profile_run(self) -> int:
         """The largest step's activation peak on CUDA (profile_run.py; 0 elsewhere)."""
         return activation_peak(self.model, self.backend, self.args, self.local_config,
                                self.max_positions, self.dtype, self.device)
 
+    def graph_pool_run(self) -> int:
+        """What the decode CUDA graphs' memory pool will hold (profile_run.py; 0 off CUDA)."""
+        return graph_pool_peak(self.model, self.backend, self.local_config,
+                               batch_buckets(self.args.max_num_seqs)[-1], self.max_positions,
+                               self.block_size, self.dtype, self.device)
+
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
-        if self.kv_format.quantized:
-            self._quantize_kv()
+        scales_id = self._quantize_kv() if self.kv_format.quantized else ""
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
-                                self.device, num_host_blocks, self.kv_format)
+                                self.device, num_host_blocks, self.kv_format, scales_id)
         report = self.kv_report()
         logger.info("KV cache: %d blocks of %d tokens, %s, %d bytes per token (%.1f MiB)",
                     num_blocks, self.block_size, report["kv_cache_dtype"],
@@ -223,15 +234,16 @@ class ModelRunner:
                                        self.config.kv_groups.windows)
             self.graphs.capture_all()
 
-    def _quantize_kv(self) -> None:
+    def _quantize_kv(self) -> str:
         """Every attention layer writes and reads quantized pages from now on; fp8 layers get
-        their scales from the checkpoint or a calibration prompt (kv_calibration.py)."""
+        their scales from the checkpoint or a calibration prompt (kv_calibration.py). Returns
+        a digest of the fp8 scales ("" for int8, whose scales are in the pages)."""
         fmt = self.kv_format
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if not fmt.is_fp8:
             for attn in layers:
                 attn.kv_quant = KVQuant(fmt)
-            return
+            return ""
         cfg = self.local_config
         scales = checkpoint_kv_scales(self.model_dir, cfg.num_layers, cfg.num_kv_heads)
         source = "the checkpoint"
@@ -242,20 +254,25 @@ class ModelRunner:
             source = "a calibration prompt"
         if len(scales) != len(layers):
             raise ValueError(f"{len(scales)} KV scale pairs for {len(layers)} attention layers")
+        digest = hashlib.blake2b(digest_size=8)
         for attn, (k, v) in zip(layers, scales, strict=True):
             attn.kv_quant = KVQuant(fmt, k.to(self.device), v.to(self.device))
+            for s in (k, v):
+                digest.update(s.detach().float().cpu().numpy().tobytes())
         logger.info("%s KV pages: per-head scales from %s", fmt.name, source)
+        return digest.hexdigest()
 
     def _wants_cuda_graphs(self) -> bool:
-        """CUDA graphs for decode: on CUDA, with the Triton backend, one rank, unless
-        enforce_eager (cuda_graphs.py)."""
-        return self.kernels.cuda_graphs and self.backend.name == "triton"
+        """CUDA graphs for decode (cuda_graphs.graphs_off_because, decided at start-up)."""
+        return self.use_cuda_graphs
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
         logits = self.forward(plan)
-        return self._sample(logits.plan, logits)
+        out = self._sample(logits.plan, logits)
+        out.saved_blocks = logits.saved_blocks
+        return out
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -268,12 +285,17 @@ class ModelRunner:
         if self.drafter is not None:
             for seq_id in plan.finished_seq_ids + [n.seq_id for n in plan.new_seqs]:
                 self.drafter.forget(seq_id)
-        self.kv_cache.swap_out(plan.swap_out)
-        self.kv_cache.swap_in(plan.swap_in)
-        self.kv_cache.copy_blocks(plan.block_copies)
+        kv = self.kv_cache
+        # the KV tier's saves first: this step may reuse their blocks (kv_manager.py's order)
+        saved = [kv.read_block(b) for b in plan.tier_saves]
+        kv.swap_out(plan.swap_out)
+        kv.swap_in(plan.swap_in)
+        for block_id, data in plan.tier_loads:
+            kv.write_block(block_id, data)
+        kv.copy_blocks(plan.block_copies)
         if not plan.chunks:
             empty = torch.empty(0, self.config.vocab_size, device=self.device)
-            return StepLogits(sample=empty, prompt={}, plan=plan)
+            return StepLogits(sample=empty, prompt={}, plan=plan, saved_blocks=saved)
         if self.drafter is not None and any(c.num_draft_tokens for c in plan.chunks):
             drafts = self.drafter.propose(plan.chunks, self.batch, self.kv_cache, self.backend)
             plan = replace(plan, chunks=[replace(c, draft_token_ids=drafts[c.seq_id])
@@ -313,7 +335,7 @@ class ModelRunner:
         sampled = take_rows(logits, sample_rows)
         return StepLogits(sample=sampled,
                           prompt={sid: logits[s : s + n] for sid, s, n in prompt_rows},
-                          plan=plan)
+                          plan=plan, saved_blocks=saved)
 
     def _sample(self, plan: StepPlan, logits: StepLogits) -> RunnerOutput:
         """Sample every sampling chunk's sequences. A chunk with drafts samples each of its

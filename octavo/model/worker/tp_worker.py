@@ -23,6 +23,7 @@ from octavo.gc_heap import freeze_gc_heap
 from octavo.model.parallel.shm_comm import ShmComm, shm_usable
 from octavo.model.parallel.tensor_parallel import TPGroup
 from octavo.model.worker.cache_sizing import KVBlockCounts
+from octavo.model.worker.device import bind_device, rank_device
 from octavo.model.worker.runner import ModelRunner
 from octavo.step_plan import GrammarBitmask, RunnerOutput, StepPlan
 
@@ -80,8 +81,9 @@ class Worker:
         threads = threads_per_rank(self.size)
         torch.set_num_threads(threads)
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
-        if backend == "nccl":
-            args = replace(args, device=f"cuda:{self.rank}")
+        # this rank's GPU is current before NCCL or the runner touches the device (device.py)
+        device = bind_device(self.device_of_rank(args.device))
+        args = replace(args, device=str(device))
         dist.init_process_group(backend, init_method=init_method, rank=self.rank,
                                 world_size=self.size,
                                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -90,6 +92,11 @@ class Worker:
         self.runner = ModelRunner(args, model_dir, config, tp)
         logger.info("tensor-parallel rank %d/%d ready (pid %d, %d threads, %s)", self.rank,
                     self.size, os.getpid(), threads, "shared memory" if shm else backend)
+
+    def device_of_rank(self, device: str) -> str:
+        """This rank's device, from the engine's: the ranks of an `mp` group share this
+        machine's GPUs, one each, counted from the engine's device (device.py)."""
+        return rank_device(device, self.rank)
 
     def _shared_memory(self, args: EngineArgs, config: ModelConfig) -> ShmComm | None:
         """Shared-memory collectives when every rank is on this machine (x86), else None.

@@ -195,6 +195,19 @@ class ContiguousAllocator:
     def take_block_copies(self) -> list[tuple[int, int]]:
         return []
 
+    # -- the KV tier: none (no prefix cache) ----------------------------------------------------
+    def take_tier_io(self) -> tuple[list[int], list[tuple[int, memoryview]]]:
+        return [], []
+
+    def tier_io_done(self, saved: Sequence[bytes]) -> None:
+        pass
+
+    def tier_io_failed(self) -> None:
+        pass
+
+    def has_tier_saves(self) -> bool:
+        return False
+
     # -- swap: not supported, a contiguous buffer is preempted by recomputation -----------------
     def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
         return None

@@ -11,7 +11,9 @@ One character per block keeps a snapshot of 10k blocks small and cheap to build 
 
 The ref counts of shared blocks and the filled slots of partly filled ones come beside the
 states, so a viewer can show the count on a shared block and the internal waste of a partly
-filled one.
+filled one. With a KV tier, so do the blocks on their way to it (`tier_saving`: let go of,
+waiting for the next step to copy them out) and those the last step loaded from it
+(`tier_loaded`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def manager_maps(kv: KVCacheManager) -> tuple[dict[str, Any], dict[str, Any]]:
             (host_tails if swapped else device_tails).append(blk)
     device = pool_map(kv.block_pool, partial=device_tails)
     device["legend"] = dict(PAGED_STATES)
+    if kv.tier is not None:
+        device["tier_saving"] = sorted(kv.tier.saving_block_ids())
+        device["tier_loaded"] = sorted(kv.tier.last_loaded)
     host = pool_map(kv.cpu_pool, host=True, partial=host_tails)
     host["legend"] = dict(HOST_STATES)
     return device, host

@@ -66,7 +66,9 @@ ContentBlockParam = Annotated[
 
 
 class MessageParam(RequestModel):
-    role: Literal["user", "assistant"]
+    # "system" is not Anthropic's, but Claude Code sends system messages inside `messages`
+    # (as vLLM and SGLang accept them): they join the system prompt
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlockParam]
 
 
@@ -105,7 +107,8 @@ ToolChoiceParam = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | To
 
 
 class ThinkingParam(RequestModel):
-    """Accepted and not acted on: a model's reasoning (--reasoning-parser) is always shown."""
+    """A model's reasoning (--reasoning-parser) is always shown; `budget_tokens` of an enabled
+    one is the request's reasoning budget (thinking_token_budget)."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=0)

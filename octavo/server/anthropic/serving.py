@@ -141,6 +141,9 @@ async def count_tokens(ctx: ServerContext, body: CountTokensRequest) -> CountTok
 
 # ---- request -> chat completion -------------------------------------------------------------
 def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+    if all(m.role == "system" for m in body.messages):
+        raise bad_request("messages: at least one user or assistant message is needed (system "
+                          "messages join the system prompt)", "messages")
     messages = chat_messages(body)
     last = messages[-1]
     fields: dict[str, Any] = {
@@ -161,6 +164,8 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences or None,
                       stream=body.stream)
+        if body.thinking is not None and body.thinking.type == "enabled":
+            fields["thinking_token_budget"] = body.thinking.budget_tokens
         if body.stream:
             fields["stream_options"] = {"include_usage": True}
     try:
@@ -181,13 +186,39 @@ def chat_tool_choice(choice: ToolChoiceParam) -> tuple[Any, bool]:
 
 def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    if body.system:
-        out.append({"role": "system", "content": _text_parts(body.system)})
+    system = _system_parts(body)
+    if system:
+        out.append({"role": "system", "content": system})
     calls: set[str] = set()
     for i, m in enumerate(body.messages):
+        if m.role == "system":
+            continue
         out += (_assistant_message(i, m, calls) if m.role == "assistant"
                 else _user_messages(i, m, calls))
     return out
+
+
+def _system_parts(body: CountTokensRequest) -> str | list[dict[str, str]] | None:
+    """`system`, then the text of every system message inside `messages` as paragraphs of
+    it, in order: one system prompt (chat templates take a single system message, first)."""
+    hoisted: list[str] = []
+    for i, m in enumerate(body.messages):
+        if m.role != "system":
+            continue
+        blocks = [TextBlockParam(type="text", text=m.content)] if isinstance(m.content, str) \
+            else m.content
+        for j, block in enumerate(blocks):
+            if not isinstance(block, TextBlockParam):
+                param = f"messages.{i}.content.{j}"
+                raise bad_request(f"{param}: a system message holds text blocks only, not "
+                                  f"{block.type}", param)
+        hoisted.append("".join(b.text for b in blocks if isinstance(b, TextBlockParam)))
+    system = _text_parts(body.system) if body.system else None
+    if not hoisted:
+        return system
+    first = [] if system is None else [system if isinstance(system, str)
+                                       else "".join(p["text"] for p in system)]
+    return "\n\n".join(first + hoisted)
 
 
 def _text_parts(content: str | list[TextBlockParam]) -> str | list[dict[str, str]]:

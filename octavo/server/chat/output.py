@@ -64,7 +64,7 @@ class ChoiceStream:
 
     plan: ToolPlan
     reasoning: ReasoningParser | None
-    called: bool = False
+    called: bool = False  # a call completed (the finish reason is then "tool_calls")
     _reasoning_stream: object = None
     _tool_stream: object = None
     _forced: _ForcedStream | None = None
@@ -95,19 +95,20 @@ class ChoiceStream:
         if self._forced is not None:
             calls = self._forced.feed(content_delta or "", final)
             content_out = None
+            self.called |= bool(calls)
         elif self._tool_stream is not None:
             ts = self._tool_stream
             if content_delta:
                 result = ts.feed(content_delta)  # type: ignore[attr-defined]
                 content_out, calls = result.content, list(result.tool_calls)
+                self.called |= bool(result.closed)
             else:
                 content_out = None
             if final:
                 result = ts.finish()  # type: ignore[attr-defined]
                 content_out = (content_out or "") + (result.content or "") or None
                 calls += result.tool_calls
-        if calls:
-            self.called = True
+                self.called |= bool(result.closed)
         if not (reasoning_delta or content_out or calls):
             return None
         return DeltaMessage(reasoning_content=reasoning_delta or None,

@@ -120,8 +120,9 @@ async def start_chat(ctx: ServerContext, body: ChatCompletionRequest) -> ChatRun
     params = to_sampling_params(ctx, body, max_tokens=max_tokens, logprobs=top_k,
                                 structured_outputs=constraint)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await start_requests(ctx, request_id, [{"prompt_token_ids": ids}], params,
-                                   body.priority, constraint_param or "messages")
+    streams = await start_requests(ctx, request_id, [{"prompt_token_ids": ids,
+                                                      "cache_salt": body.cache_salt}],
+                                   params, body.priority, constraint_param or "messages")
     reasoning = (get_reasoning_parser(ctx.config.reasoning_parser)
                  if ctx.config.reasoning_parser else None)
     run = ChatRun(ctx, body, request_id, streams, top_k, tools, reasoning)

@@ -77,9 +77,9 @@ def plan_tools(body: ChatCompletionRequest, *, auto_enabled: bool,
         if not (auto_enabled and parser_name):
             raise bad_request('"auto" tool choice needs the server to run with '
                               "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
-        return ToolPlan("auto", tools, parser=get_tool_parser(parser_name))
+        return ToolPlan("auto", tools, parser=get_tool_parser(parser_name, tools))
     return ToolPlan("none", tools,
-                    parser=get_tool_parser(parser_name) if parser_name else None)
+                    parser=get_tool_parser(parser_name, tools) if parser_name else None)
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:

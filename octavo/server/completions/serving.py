@@ -103,7 +103,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     params = to_sampling_params(ctx, body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                 prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    engine_prompts = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
+    engine_prompts = [{"prompt_token_ids": p.token_ids, "prompt": p.text,
+                       "cache_salt": body.cache_salt} for p in prompts]
     streams = await start_requests(ctx, request_id, engine_prompts, params, body.priority,
                                    constraint_param or "prompt")
     if body.echo:  # the text of token-id prompts, decoded off the loop

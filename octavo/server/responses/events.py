@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from octavo.server.protocol import ChatCompletionChunk, ChatResponseMessage, UsageInfo
-from octavo.server.responses.protocol import ResponseObject, ResponseUsage
+from octavo.server.responses.protocol import InputTokensDetails, ResponseObject, ResponseUsage
 
 
 def new_id(prefix: str) -> str:
@@ -22,8 +22,11 @@ def new_id(prefix: str) -> str:
 def _usage(u: UsageInfo | None) -> dict[str, Any] | None:
     if u is None:
         return None
+    cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
     return ResponseUsage(input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens,
-                         total_tokens=u.total_tokens).model_dump()
+                         total_tokens=u.total_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=cached)
+                         ).model_dump()
 
 
 class ResponseEvents:

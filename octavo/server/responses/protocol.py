@@ -183,13 +183,20 @@ class ResponsesRequest(RequestModel):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, tools: Any) -> Any:
-        if isinstance(tools, list):
-            for i, tool in enumerate(tools):
-                kind = tool.get("type") if isinstance(tool, dict) else None
-                if isinstance(kind, str) and kind != "function":
-                    raise ValueError(f"tool {i} has type {kind!r}, which is not supported: "
-                                     "octavo runs function tools only")
-        return tools
+        """Function tools, those of a `namespace` (a named group of functions) among them;
+        OpenAI's hosted tools (web_search, file_search, mcp, custom, ...) are left out: the
+        model is not told of them. Agent clients (Codex) send them with their functions."""
+        if not isinstance(tools, list):
+            return tools
+        out = []
+        for tool in tools:
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind == "namespace" and isinstance(tool.get("tools"), list):
+                out += [t for t in tool["tools"] if isinstance(t, dict)
+                        and t.get("type", "function") == "function"]
+            elif kind in (None, "function") or not isinstance(kind, str):
+                out.append(tool)
+        return out
 
     @field_validator("tool_choice", mode="before")
     @classmethod

@@ -1,7 +1,8 @@
 """octavo's Triton kernels against the torch backend and torch's own ops.
 
-Without a GPU the kernels run in Triton's interpreter on CPU tensors (model/triton_kernels
-turns it on); the same tests run on CUDA tensors where a GPU is present (OCTAVO_TEST_DEVICE).
+The tensors live on the tests' device (tests/conftest.py): CPU tensors by default, which the
+kernels take in Triton's interpreter, and CUDA tensors with OCTAVO_TEST_DEVICE=cuda
+(scripts/gpu_check.sh), which they take compiled.
 Grid: head dims 64 and 128, block sizes 16 and 32, GQA ratios 1, 3 and 8, contexts that end
 mid-block, prefix hits, sliding windows and soft caps, fp32 and bf16.
 
@@ -16,15 +17,15 @@ integers, so the kernels widen 16-bit tiles before `tl.dot` when interpreted (de
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
 from octavo.model.kernels.triton import triton_missing
+from tests.conftest import TEST_DEVICE as DEVICE
 
-assert triton_missing() is None, triton_missing()  # make install installs Triton
+assert triton_missing(DEVICE.type) is None, triton_missing(DEVICE.type)
 
 from octavo.model.kernels.triton import cache_ops, decode  # noqa: E402
 from octavo.model.kernels.triton.fused_ops import TritonFusedOps  # noqa: E402
@@ -35,7 +36,6 @@ from octavo.model.layers.attention.triton_backend import TritonAttentionBackend 
 from octavo.model.layers.decoder import RMSNorm, apply_rope  # noqa: E402
 from tests.model.layers.test_paged_attention import step_meta  # noqa: E402
 
-DEVICE = torch.device(os.environ.get("OCTAVO_TEST_DEVICE", "cpu"))
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 

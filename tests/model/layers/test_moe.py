@@ -152,3 +152,52 @@ def test_sparse_layers_follow_the_config() -> None:
     assert layers(decoder_sparse_step=2) == {1, 3, 5}
     assert layers(mlp_only_layers=[0, 3]) == {1, 2, 4, 5}
     assert layers(num_experts=0) == set()
+
+
+def test_grouped_routing_reads_nothing_back_to_the_host(monkeypatch) -> None:
+    """Inside a CUDA graph nothing may wait for the host: with grouped_mm the block reads no
+    tensor's value in Python and calls no bincount (whose CUDA kernel reads its input's max
+    back), so its decode steps can be captured."""
+    b = block(shared=True, norm=True)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = naive(b, x)
+
+    def read_back(*args, **kwargs):
+        raise AssertionError("a value was read back to the host")
+
+    monkeypatch.setattr(moe, "grouped_mm_usable", lambda *_: True)
+    monkeypatch.setattr(F, "grouped_mm", _grouped_reference)
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, read_back)
+    monkeypatch.setattr(torch, "bincount", read_back)
+    with torch.inference_mode():
+        got = b(x)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _grouped_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm without reading offs on the host: every row against every expert, each row
+    keeping its own expert's product (the group of row r is how many offsets are <= r)."""
+    group = (torch.arange(x.shape[0])[:, None] >= offs[None, :]).sum(dim=1)
+    every = torch.einsum("si,eio->seo", x, w)
+    return every[torch.arange(x.shape[0]), group]
+
+
+def test_graph_safety_is_decided_by_the_experts_path(monkeypatch) -> None:
+    from octavo.model.worker.cuda_graphs import graphs_off_because
+
+    cuda = torch.device("cuda")
+    dense, sparse = torch.nn.Linear(2, 2), torch.nn.Sequential(block(shared=False, norm=True))
+    monkeypatch.setattr(moe, "grouped_mm_usable", lambda *_: False)
+    assert graphs_off_because(dense, cuda, torch.float32, "triton", 1, False) is None
+    assert "per-expert matmuls" in graphs_off_because(sparse, cuda, torch.float32, "triton",
+                                                      1, False)
+    monkeypatch.setattr(moe, "grouped_mm_usable", lambda *_: True)
+    assert graphs_off_because(sparse, cuda, torch.bfloat16, "triton", 1, False) is None
+    assert graphs_off_because(sparse, cuda, torch.bfloat16, "triton", 1, True) == "enforce_eager"
+    assert graphs_off_because(sparse, cuda, torch.bfloat16, "torch", 1, False).startswith(
+        "attention_backend torch")
+    assert graphs_off_because(dense, torch.device("cpu"), torch.float32, "triton", 1,
+                              False) == "not on CUDA"

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from octavo.model.kernels.cpu_isa import cpu_flags, supported_isas
 from octavo.model.layers.attention import get_backend
 from octavo.model.layers.attention.base import AttentionMetadata, PrefillChunk
+from tests.conftest import TEST_DEVICE
 
 # every build of the compiled kernel this CPU can run (avx512, avx2, portable: best first)
 ISAS = supported_isas()
@@ -43,10 +44,36 @@ def step_meta(slots: list[int], tables: list[list[int]], decodes: list[int],
     )
 
 
-# triton: octavo's Triton kernels, in Triton's interpreter on CPU (the GPU backend)
+class OnDevice:
+    """A backend run on the tests' device (tests/conftest.py) for CPU callers: the inputs go
+    there, the output and the caches (written in place) come back."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, *args):
+        def to(t):
+            return None if t is None else t.to(TEST_DEVICE)
+
+        meta = AttentionMetadata(
+            to(meta.slot_mapping), meta.num_decodes, to(meta.decode_block_tables),
+            to(meta.decode_context_lens),
+            [PrefillChunk(c.query_start, c.query_end, c.start_pos, to(c.block_table))
+             for c in meta.prefills], to(meta.decode_first_pos))
+        kc, vc = to(k_cache), to(v_cache)
+        out = self.backend.forward(to(q), to(k), to(v), kc, vc, meta, scale, *args)
+        k_cache.copy_(kc.cpu())
+        v_cache.copy_(vc.cpu())
+        return out.cpu()
+
+
+# triton: octavo's Triton kernels (the GPU backend), on the tests' device: in Triton's
+# interpreter on CPU
 @pytest.fixture(params=["torch", *(f"cpu-{isa}" for isa in ISAS), "triton"])
 def backend(request):
     name, _, isa = request.param.partition("-")
+    if name == "triton":
+        return OnDevice(get_backend(name, TEST_DEVICE))
     b = get_backend(name, torch.device("cpu"), isa or None)
     assert isa == "" or b.isa == isa
     return b

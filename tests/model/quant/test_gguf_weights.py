@@ -1,9 +1,10 @@
-"""quantization="gguf" (model/quant/gguf_weights.py): a GGUF file's Q4_0 / Q4_1 / Q8_0 weights kept
-in their blocks. The key check: every block layer widens to exactly the fp32 weight the loader got
-by dequantizing the same file through transformers (rows unpermuted, q/k/v and gate/up
-concatenated), on the embedded default model (Q4_1, its LM head tied to a Q8_0 embedding) and
-on a tiny GGUF written here with Q4_0, Q4_1 and Q8_0 tensors; then the engine on both, the
-errors, and the block parsing against GGUF's formulas on hand-made bytes."""
+"""quantization="gguf" (model/quant/gguf_weights.py, gguf_blocks.py): a GGUF file's Q4_0 / Q4_1 /
+Q8_0 weights kept in their blocks (the K-quants: test_kquant.py). The key check: every block
+layer widens to exactly the fp32 weight the loader got by dequantizing the same file through
+transformers (rows unpermuted, q/k/v and gate/up concatenated), on the embedded default model
+(Q4_1, its LM head tied to a Q8_0 embedding) and on a tiny GGUF written here with Q4_0, Q4_1
+and Q8_0 tensors; then the engine on both, the errors, and the block parsing against GGUF's
+formulas on hand-made bytes."""
 
 from __future__ import annotations
 
@@ -16,14 +17,10 @@ from octavo import LLM, SamplingParams
 from octavo.config import ModelConfig
 from octavo.model import sources
 from octavo.model.kernels.cpu_ops import load_cpu_ops
+from octavo.model.quant.block_concat import BlockConcat
 from octavo.model.quant.block_quant import INT4, INT8, BlockQuantLinear, dequantize
-from octavo.model.quant.gguf_weights import (
-    FORMATS,
-    GGUFBlocks,
-    _planes,
-    _unpermute_rows,
-    apply_gguf_blocks,
-)
+from octavo.model.quant.gguf_blocks import FORMATS, _planes
+from octavo.model.quant.gguf_weights import GGUFBlocks, _unpermute_rows, apply_gguf_blocks
 from octavo.model.quant.quantization import weight_bytes
 from octavo.model.sources import find_embedded_gguf, gguf_source
 from octavo.model.worker.runner import load_model
@@ -196,7 +193,7 @@ def _tmp_gguf_cache(tmp_path_factory, monkeypatch):
 
 def qtype_for(name: str):
     """Each tiny tensor's GGUF type; blk.1's v is Q8_0 next to Q4_0 q and k, so that layer's
-    fused qkv has no single format and keeps the loader's fp32 weight."""
+    fused qkv has no single format (a BlockConcat of its parts)."""
     from gguf import GGMLQuantizationType as T
 
     if name == "blk.1.attn_v.weight":
@@ -231,7 +228,7 @@ def quant_gguf(tiny_llama_dir, tmp_path_factory):
 
 def test_tiny_gguf_blocks_widen_to_the_loaders_weights_exactly(quant_gguf):
     """Q4_0 (q, k with 4 and 2 heads: the unpermutation), Q4_1 and Q8_0, an untied LM head,
-    and a fused layer whose parts differ in format (left to the loader's fp32 weight)."""
+    and a fused layer whose parts differ in format (each part in its own blocks)."""
     from safetensors.torch import load_file
 
     hf_dir = sources.resolve_model_dir(str(quant_gguf))
@@ -243,7 +240,7 @@ def test_tiny_gguf_blocks_widen_to_the_loaders_weights_exactly(quant_gguf):
     assert not config.tie_word_embeddings
     formats = {}
     for name, module in model.named_modules():
-        if isinstance(module, BlockQuantLinear):
+        if isinstance(module, BlockQuantLinear) and ".parts." not in name:  # not BlockConcat's
             want = hf_weight(state, name.removeprefix("model."))
             assert torch.equal(module.dequantized_weight(), want), name
             formats[name] = module.fmt.name
@@ -253,10 +250,12 @@ def test_tiny_gguf_blocks_widen_to_the_loaders_weights_exactly(quant_gguf):
         "layers.0.mlp.gate_up_proj": "q4_1", "layers.0.mlp.down_proj": "q8_0",
         "layers.1.self_attn.o_proj": "q4_1", "layers.1.mlp.gate_up_proj": "q4_1",
         "layers.1.mlp.down_proj": "q8_0", "lm_head": "q8_0"}
-    mixed = model.layers[1].self_attn.qkv_proj
-    assert type(mixed) is nn.Linear
-    assert torch.equal(mixed.weight, hf_weight(state, "layers.1.self_attn.qkv_proj"))
-    assert model.quant_report.layers == len(formats)
+    mixed = model.layers[1].self_attn.qkv_proj  # Q4_0 q and k, Q8_0 v: each in its blocks
+    assert type(mixed) is BlockConcat
+    assert [p.fmt.name for p in mixed.parts] == ["q4_0", "q4_0", "q8_0"]
+    assert torch.equal(mixed.dequantized_weight(),
+                       hf_weight(state, "layers.1.self_attn.qkv_proj"))
+    assert model.quant_report.layers == len(formats) + 1
 
 
 def test_engine_gguf_on_a_tiny_gguf(quant_gguf):
@@ -285,7 +284,8 @@ def test_gguf_without_block_tensors_or_of_another_architecture(tiny_llama_dir, t
     from tests.model.test_gguf_models import write_header_only_gguf, write_llama_gguf
 
     f32 = write_llama_gguf(tiny_llama_dir, tmp_path / "f32.gguf")
-    with pytest.raises(ValueError, match="has no Q4_0, Q4_1 or Q8_0 linear weights"):
+    with pytest.raises(ValueError, match="has no Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K linear "
+                                         "weights"):
         LLM(str(f32), quantization="gguf", num_kv_blocks=16)
     other = write_header_only_gguf(tmp_path / "gemma.gguf", "gemma3")
     with pytest.raises(ValueError, match="architecture 'llama'.*is 'gemma3'"):

@@ -182,7 +182,7 @@ def test_a_stream_left_early_is_cancelled(client: anthropic.Anthropic,
                                           server: RunningServer) -> None:
     with client.messages.stream(model=MODEL, max_tokens=200, messages=SAY_HELLO) as stream:
         next(iter(stream.text_stream))
-    assert server.wait_idle()["octavo:num_requests_running"] == 0
+    assert server.wait_idle()["vllm:num_requests_running"] == 0
 
 
 def _bad_request(call: Any) -> str:

@@ -335,4 +335,4 @@ def test_all_kv_blocks_back(server: RunningServer, client: openai.OpenAI) -> Non
     assert_serves(client)
     m = server.wait_idle()
     assert m["octavo:kv_blocks_used"] == 0
-    assert m["octavo:num_requests_running"] == 0 and m["octavo:num_requests_waiting"] == 0
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0

@@ -4,6 +4,8 @@ The streaming property is checked for every sample under random splits into delt
 random texts built from each format's marker fragments (where stream/extract disagreements
 would hide): concatenated content deltas equal the extracted content, each call's first delta
 carries its id and name, and its argument fragments join to exactly the extracted arguments.
+Calls a stream announced early and that then broke (the text stopped in them, or they turned
+out malformed) are set aside: they are the only difference a stream may show.
 """
 
 from __future__ import annotations
@@ -25,6 +27,22 @@ UNICODE_ARGS = {"city": "Zürich", "note": "日本語 🌍 \"quoted\""}
 NESTED_ARGS = {"filter": {"range": [1, 2.5], "tags": ["a", {"b": None}], "on": True}}
 W = ("get_weather", {"city": "Paris", "unit": "celsius"})
 T = ("get_time", {"timezone": "Europe/Paris"})
+SCHEMA_TOOLS = [  # the types qwen3_coder reads its text arguments as
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "unit": {"type": "string"},
+                                         "days": {"type": "integer"},
+                                         "hot": {"type": "boolean"},
+                                         "ratio": {"type": "number"},
+                                         "tags": {"type": "array"},
+                                         "where": {"type": "object"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"timezone": {"type": "string"}}}}},
+]
+
+
+def parser_for(name: str) -> ToolParser:
+    return get_tool_parser(name, SCHEMA_TOOLS)
 
 HERMES: list[Expected] = [
     (f"<tool_call>\n{WEATHER}\n</tool_call>", [W], None),
@@ -122,8 +140,44 @@ PYTHONIC: list[Expected] = [
     ("[f(x={1, 2})]", [], "[f(x={1, 2})]"),
 ]
 
+Q_WEATHER = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+             "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
+Q_TIME = ("<tool_call>\n<function=get_time>\n<parameter=timezone>\nEurope/Paris\n"
+          "</parameter>\n</function>\n</tool_call>")
+QWEN3_CODER: list[Expected] = [
+    (Q_WEATHER, [W], None),
+    (f"{Q_WEATHER}\n{Q_TIME}", [W, T], None),
+    (f"Let me check.\n{Q_WEATHER}", [W], "Let me check."),
+    ("The capital of France is Paris.", [], "The capital of France is Paris."),
+    (Q_WEATHER.removesuffix("</tool_call>"), [W], None),  # stopped on </tool_call>
+    ("<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n"
+     "<parameter=hot>\nTrue\n</parameter>\n<parameter=ratio>\n2.0\n</parameter>\n"
+     "<parameter=tags>\n[\"a\", 1]\n</parameter>\n<parameter=where>\n{'x': None}\n"
+     "</parameter>\n<parameter=city>\nnull\n</parameter>\n</function>\n</tool_call>",
+     [("get_weather", {"days": 3, "hot": True, "ratio": 2, "tags": ["a", 1],
+                       "where": {"x": None}, "city": None})], None),
+    ("<tool_call><function=get_weather><parameter=days>many</parameter><parameter=note>"
+     "two\nlines\n\n</parameter></function></tool_call>",
+     [("get_weather", {"days": "many", "note": "two\nlines\n"})], None),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=unit>\nc\n"
+     "</function>\n</tool_call>", [("get_weather", {"city": "Paris", "unit": "c"})], None),
+    ("<tool_call>\n<function=get_time>\n</function>\n</tool_call>", [("get_time", {})], None),
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=a>\n2\n"
+     "</parameter>\n</function>\n</tool_call>", [],
+     "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=a>\n2\n"
+     "</parameter>\n</function>\n</tool_call>"),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", [],
+     "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"),
+    ("<tool_call><function=bad name></function></tool_call>", [],
+     "<tool_call><function=bad name></function></tool_call>"),
+    (f"{Q_TIME} Anything else?", [T], "Anything else?"),
+    ('<tool_call><function=geo><parameter=city>Zürich</parameter><parameter=note>日本語 🌍 '
+     '"quoted"</parameter></function></tool_call>', [("geo", UNICODE_ARGS)], None),
+]
+
 SAMPLES: dict[str, list[Expected]] = {
     "hermes": HERMES, "llama3_json": LLAMA3, "mistral": MISTRAL, "pythonic": PYTHONIC,
+    "qwen3_coder": QWEN3_CODER,
 }
 ALL_SAMPLES = [(name, text) for name, cases in SAMPLES.items() for text, _, _ in cases]
 
@@ -137,6 +191,9 @@ FRAGMENTS: dict[str, list[str]] = {
                 f"[{TIME}]", WEATHER, "[", "]", "{", "}", " ", "x y", "\n"],
     "pythonic": ["<|python_start|>", "<|python_end|>", "<|py", "[", "]", "f(", "g.h(", ")",
                  "x=1", 'y="a]"', ",", " ", "\n", "(", "z", "=", "None", "[1]"],
+    "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=f>",
+                    "</function>", "<parameter=city>", "<parameter=days>", "</parameter>",
+                    "<param", "</func", "null", "Paris", "3", "\n", " ", "x", "<", ">", "/"],
 }
 
 
@@ -158,20 +215,26 @@ def check_stream(parser: ToolParser, text: str, pieces: list[str]) -> None:
     for d in (d for r in results for d in r.tool_calls):
         assert d.index == len(deltas) or d.index in deltas  # indices appear in order
         deltas.setdefault(d.index, []).append(d)
-    assert len(deltas) == len(expected.tool_calls)
-    for index, call in enumerate(expected.tool_calls):
+    closed = [i for r in results for i in r.closed]
+    broken = [i for r in results for i in r.broken]
+    assert sorted(closed + broken) == sorted(deltas)  # every call ends, once
+    assert closed == sorted(closed) and len(closed) == len(expected.tool_calls)
+    for index, call in zip(closed, expected.tool_calls, strict=True):
         first, *later = deltas[index]
         assert first.id and first.name == call.name
         assert all(d.id is None and d.name is None for d in later)
         arguments = "".join(d.arguments or "" for d in deltas[index])
         assert arguments == call.arguments
         assert isinstance(json.loads(arguments), dict)
+    for index in broken:  # announced early: a name and the start of an arguments object
+        first = deltas[index][0]
+        assert first.id and first.name and (first.arguments or "").startswith("{")
 
 
 @pytest.mark.parametrize(("name", "text", "calls", "content"),
                          [(n, *case) for n, cases in SAMPLES.items() for case in cases])
 def test_extract(name: str, text: str, calls: list[tuple[str, dict]], content: str | None):
-    result = get_tool_parser(name).extract_tool_calls(text)
+    result = parser_for(name).extract_tool_calls(text)
     assert result.tools_called == bool(calls)
     assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == calls
     assert result.content == content
@@ -183,7 +246,7 @@ def test_extract(name: str, text: str, calls: list[tuple[str, dict]], content: s
 
 @pytest.mark.parametrize(("name", "text"), ALL_SAMPLES)
 def test_stream_whole_and_char_by_char(name: str, text: str):
-    parser = get_tool_parser(name)
+    parser = parser_for(name)
     check_stream(parser, text, [text])
     check_stream(parser, text, list(text))
 
@@ -192,7 +255,7 @@ def test_stream_whole_and_char_by_char(name: str, text: str):
 @given(sample=st.sampled_from(ALL_SAMPLES), cuts=st.lists(st.integers(0, 10_000), max_size=16))
 def test_stream_random_splits(sample: tuple[str, str], cuts: list[int]):
     name, text = sample
-    check_stream(get_tool_parser(name), text, _pieces(text, cuts))
+    check_stream(parser_for(name), text, _pieces(text, cuts))
 
 
 @settings(max_examples=100, deadline=None)
@@ -200,7 +263,7 @@ def test_stream_random_splits(sample: tuple[str, str], cuts: list[int]):
 def test_stream_random_texts(data: st.DataObject, name: str):
     text = "".join(data.draw(st.lists(st.sampled_from(FRAGMENTS[name]), max_size=14)))
     cuts = data.draw(st.lists(st.integers(0, 10_000), max_size=10))
-    parser = get_tool_parser(name)
+    parser = parser_for(name)
     check_stream(parser, text, _pieces(text, cuts))
     check_stream(parser, text, list(text))
 
@@ -222,7 +285,7 @@ def mutated_samples(draw: st.DrawFn) -> tuple[str, str]:
 @given(sample=mutated_samples(), cuts=st.lists(st.integers(0, 10_000), max_size=10))
 def test_stream_mutated_samples(sample: tuple[str, str], cuts: list[int]):
     name, text = sample
-    parser = get_tool_parser(name)
+    parser = parser_for(name)
     check_stream(parser, text, _pieces(text, cuts))
     check_stream(parser, text, list(text))
 
@@ -251,6 +314,64 @@ def test_unfinished_call_becomes_content_at_finish():
     assert result.tool_calls == []
 
 
+LONG_ARGS = {"city": "Paris", "note": "a fairly long note, \"quoted\" and\nsplit", "days": 3,
+             "tags": ["x", {"y": None}], "hot": False}
+STREAMED = {
+    "hermes": "Checking.\n<tool_call>\n" + json.dumps(
+        {"name": "get_weather", "arguments": LONG_ARGS}, indent=1) + "\n</tool_call>",
+    "llama3_json": json.dumps({"name": "get_weather", "parameters": LONG_ARGS},
+                              separators=(",", ":")),
+    "mistral": "[TOOL_CALLS]" + json.dumps([{"name": "get_weather", "arguments": LONG_ARGS},
+                                           {"name": "get_time", "arguments": T[1]}]),
+    "mistral_args": '[TOOL_CALLS]get_weather[ARGS]' + json.dumps(LONG_ARGS, indent=2),
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>"
+                   "\n<parameter=note>\na fairly long note, \"quoted\" and\nsplit\n</parameter>"
+                   "\n<parameter=days>\n3\n</parameter>\n<parameter=tags>\n[\"x\", {\"y\": null}]"
+                   "\n</parameter>\n<parameter=hot>\nfalse\n</parameter>\n</function>\n"
+                   "</tool_call>",
+}
+
+
+@pytest.mark.parametrize("case", sorted(STREAMED))
+def test_arguments_stream_as_they_are_generated(case: str):
+    """Token by token, a call is announced once its name is known, long before it ends, and
+    its arguments arrive in many deltas that join to exactly the whole output's."""
+    parser, text = parser_for(case.removesuffix("_args")), STREAMED[case]
+    expected = parser.extract_tool_calls(text).tool_calls
+    assert json.loads(expected[0].arguments) == LONG_ARGS
+    stream = parser.stream()
+    announced_at, arguments = None, {}
+    pieces: dict[int, int] = {}
+    for fed, ch in enumerate(text, 1):
+        for d in stream.feed(ch).tool_calls:
+            announced_at = fed if announced_at is None else announced_at
+            arguments[d.index] = arguments.get(d.index, "") + (d.arguments or "")
+            pieces[d.index] = pieces.get(d.index, 0) + 1
+    for d in stream.finish().tool_calls:
+        arguments[d.index] = arguments.get(d.index, "") + (d.arguments or "")
+    assert [arguments[i] for i in sorted(arguments)] == [c.arguments for c in expected]
+    assert announced_at is not None and announced_at < len(text) / 2
+    assert pieces[0] >= 10
+
+
+def test_a_call_broken_after_its_announcement():
+    stream = parser_for("hermes").stream()
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1, "b": "x'
+    first = stream.feed(text)
+    assert [(d.index, d.name, d.arguments) for d in first.tool_calls] == [
+        (0, "f", '{"a": 1, "b": "x')]
+    last = stream.finish()  # the output stopped in it: the whole output reads it as content
+    assert last.broken == [0] and last.closed == [] and last.content == text
+    assert not parser_for("hermes").extract_tool_calls(text).tools_called
+
+
+def test_duplicate_keys_and_two_argument_keys_are_no_call():
+    for body in ('{"name": "f", "arguments": {"a": 1, "a": 2}}',
+                 '{"name": "f", "arguments": {}, "parameters": {}}'):
+        result = parser_for("hermes").extract_tool_calls(f"<tool_call>{body}</tool_call>")
+        assert not result.tools_called
+
+
 def test_mistral_ids_are_nine_alphanumerics():
     parser = get_tool_parser("mistral")
     calls = parser.extract_tool_calls(f"[TOOL_CALLS]{M_LIST}").tool_calls
@@ -273,7 +394,8 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
 ]
 FORMAT_MARKS = {"hermes": "<tool_call>", "llama3_json": '"parameters"',
-                "mistral": "[TOOL_CALLS]", "pythonic": "func_name1(param_name1="}
+                "mistral": "[TOOL_CALLS]", "pythonic": "func_name1(param_name1=",
+                "qwen3_coder": "<function="}
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))

@@ -165,6 +165,18 @@ def test_function_call_then_its_output(client: openai.OpenAI) -> None:
     assert whole.output_text.strip()
 
 
+def test_hosted_tools_are_left_out_and_namespaces_opened(client: openai.OpenAI) -> None:
+    """What Codex sends: function tools, a namespace of functions and a hosted web_search."""
+    tools = [{"type": "web_search", "external_web_access": True},
+             {"type": "namespace", "name": "weather", "description": "Weather tools",
+              "tools": TOOLS}]
+    r = create(client, input="What is the weather in Paris?", tools=tools, tool_choice=NAMED,
+               max_output_tokens=32)
+    assert [t.name for t in r.tools] == ["get_weather"]
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+
 # ---- streams ---------------------------------------------------------------------------------
 def test_stream_text_events(client: openai.OpenAI) -> None:
     events = list(create(client, input="Say hello to Ada.", stream=True))
@@ -243,7 +255,6 @@ def test_a_failed_model_step(server: RunningServer, client: openai.OpenAI) -> No
         {"type": "input_text", "text": "what is this?"},
         {"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
      "input_image"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "web_search"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                          "schema": {"type": "no-such-type"}}}},
      "no-such-type"),

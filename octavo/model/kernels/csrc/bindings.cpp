@@ -40,6 +40,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_dequantize", &block_dequantize, "rows of a block-quantized weight as float32",
         py::arg("kind"), py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"),
         py::arg("row_begin"), py::arg("row_end"), py::arg("out") = py::none());
+  m.def("kquant_linear", &kquant_linear,
+        "x @ W^T (+ bias) with W in GGUF K-quant super-blocks (int8 activations)", py::arg("x"),
+        py::arg("kind"), py::arg("q"), py::arg("bias"));
+  m.def("kquant_dequantize", &kquant_dequantize, "rows of a K-quant weight as float32",
+        py::arg("kind"), py::arg("q"), py::arg("row_begin"), py::arg("row_end"),
+        py::arg("out") = py::none());
+  m.def("kquant_quantize_x", &kquant_quantize_x,
+        "activations as kquant_linear quantizes them: (q, d, sums of 16)", py::arg("x"));
+  m.def("kquant_kernel", &kquant_kernel, "kquant_linear's path on this build and CPU");
   m.def("int8_gemv", &int8_gemv, "exact int32 xq . wq^T for a few rows (W8A8 decode)",
         py::arg("xq"), py::arg("wq"));
   m.def("int8_mm", &int8_mm, "exact int32 xq . wq^T: int8_gemv for a few rows, else oneDNN",

@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/python.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -14,18 +15,21 @@
 
 namespace {
 
-enum LinearType : int64_t { kBlock = 0, kOneDNN = 1, kInt8 = 2, kPlain = 3 };
+enum LinearType : int64_t {
+  kBlock = 0, kOneDNN = 1, kInt8 = 2, kPlain = 3, kKQuant = 4, kConcat = 5
+};
 
 struct Linear {
   int64_t type;
   std::vector<at::Tensor> t;  // block: q, scale[, mins]; onednn: packed; int8: q, scale;
-                              // plain: weight
+                              // plain: weight; kquant: the super-blocks
   c10::optional<at::Tensor> bias;
   int64_t kind = 0, group = 32;
   bool int8_activations = false;
   // onednn: up to gemv_rows rows, packed_gemv reads the packed weight at gemv_ptr ([N, Kp] in
   // blocks of gemv_block outputs)
   int64_t gemv_ptr = 0, gemv_n = 0, gemv_kp = 0, gemv_rows = 0, gemv_block = 64;
+  std::vector<Linear> parts;  // concat: layers whose outputs are joined by columns
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (type) {
@@ -48,6 +52,13 @@ struct Linear {
       }
       case kInt8:
         return int8_linear(x, t[0], t[1], bias);
+      case kKQuant:
+        return kquant_linear(x, kind, t[0], bias);
+      case kConcat: {
+        std::vector<at::Tensor> outs;
+        for (const Linear& p : parts) outs.push_back(p(x));
+        return at::cat(outs, 1);
+      }
       default:
         return at::linear(x, t[0], bias);
     }
@@ -74,18 +85,22 @@ class DecodeStack {
   static Linear make_linear(int64_t type, std::vector<at::Tensor> tensors,
                             c10::optional<at::Tensor> bias, int64_t kind, int64_t group,
                             bool int8_activations) {
-    TORCH_CHECK(type >= kBlock && type <= kPlain, "unknown linear type ", type);
-    TORCH_CHECK(!tensors.empty(), "a linear layer needs its weight");
+    TORCH_CHECK(type >= kBlock && type <= kConcat, "unknown linear type ", type);
+    TORCH_CHECK(type == kConcat || !tensors.empty(), "a linear layer needs its weight");
     return Linear{type, std::move(tensors), std::move(bias), kind, group, int8_activations};
   }
 
   void add_layer(at::Tensor norm1, at::Tensor norm2, int64_t cache_slot, py::tuple qkv,
                  py::tuple o, py::tuple gate_up, py::tuple down) {
-    auto lin = [](const py::tuple& a) {
+    std::function<Linear(const py::tuple&)> lin = [&lin](const py::tuple& a) {
       Linear l = make_linear(a[0].cast<int64_t>(), a[1].cast<std::vector<at::Tensor>>(),
                              a[2].cast<c10::optional<at::Tensor>>(), a[3].cast<int64_t>(),
                              a[4].cast<int64_t>(), a[5].cast<bool>());
-      if (a.size() > 6) {  // (weight_ptr, n, k_padded, rows, block) of packed_gemv
+      if (l.type == kConcat) {  // the parts' own specs
+        TORCH_CHECK(a.size() > 6, "a concatenation needs its parts");
+        for (const auto& part : a[6].cast<py::list>()) l.parts.push_back(lin(part.cast<py::tuple>()));
+        TORCH_CHECK(!l.parts.empty(), "a concatenation needs its parts");
+      } else if (a.size() > 6) {  // (weight_ptr, n, k_padded, rows, block) of packed_gemv
         const auto g = a[6].cast<std::vector<int64_t>>();
         TORCH_CHECK(g.size() == 5,
                     "packed_gemv arguments are (weight_ptr, n, k_padded, rows, block)");
@@ -171,7 +186,7 @@ void bind_decode_stack(py::module& m) {
       .def("add_layer", &DecodeStack::add_layer,
            "one decoder layer: its norms' weights, its KV cache slot and its four linear layers "
            "as (type, tensors, bias, kind, group, int8_activations[, (weight_ptr, n, k_padded, "
-           "rows, block) of packed_gemv])")
+           "rows, block) of packed_gemv, or a concatenation's parts' tuples])")
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_kv_scales", &DecodeStack::set_kv_scales,
            "fp8 KV pages: every layer's K and V scales, in layer order", py::arg("k_scales"),

@@ -112,3 +112,17 @@ bool packed_gemv_supports(at::ScalarType dtype);
 bool packed_gemv_has_amx();
 // let packed_gemv use AMX where it can (the default) or not; returns the previous setting
 bool packed_gemv_set_amx(bool enabled);
+
+// linear layers with weights in GGUF's K-quant super-blocks (kquant_linear.cpp): kind 2 Q4_K,
+// 3 Q5_K, 4 Q6_K; q uint8 [N, K / 256 * bytes per super-block], the file's bytes. x [M, K]
+// float32 or bfloat16 is quantized per 256 to int8 and the dot products are integer ones
+at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
+                         c10::optional<at::Tensor> bias);
+// rows [row_begin, row_end) of such a weight as float32 (into `out` when given)
+at::Tensor kquant_dequantize(int64_t kind, at::Tensor q, int64_t row_begin, int64_t row_end,
+                             c10::optional<at::Tensor> out);
+// x [M, K] as kquant_linear quantizes it: (q int8 [M, K], d float32 [M, K/256],
+// sums of every 16 q int16 [M, K/16])
+std::vector<at::Tensor> kquant_quantize_x(at::Tensor x);
+// which of kquant_linear's paths runs here: "avx512_vnni", "avx2" or "portable"
+std::string kquant_kernel();

@@ -1,13 +1,16 @@
 """octavo's Triton kernels: the GPU backend (see attention/triton_backend.py).
 
-Triton is one language for NVIDIA and AMD GPUs, and its interpreter (``TRITON_INTERPRET=1``)
-runs the very same kernels on CPU tensors, one program instance at a time with NumPy. That is
-how the test suite checks every kernel against the torch reference on a machine without a GPU:
-on such a machine importing this package turns the interpreter on, before any kernel module
-imports Triton (a process that set ``TRITON_INTERPRET`` itself keeps its choice; one that
-imported Triton earlier gets a clear error, see `triton_missing`; the tests' conftest sets the
-variable first). Only the Triton paths import this package: a CPU engine on its default
-kernels never does.
+Triton is one language for NVIDIA and AMD GPUs, and its interpreter runs the very same kernels
+on CPU tensors, one program instance at a time with NumPy: that is how the tests check every
+kernel against the torch backend on a machine without a GPU. Which of the two a process runs is
+Triton's choice, made once, when Triton is imported (``TRITON_INTERPRET=1`` in the environment
+then: the interpreter); octavo never flips it, since importing a package must not change the
+process. The tensors' device says which one a launch needs: CPU tensors the interpreter, CUDA
+tensors the compiler. `triton_missing(device)` says so clearly where the process runs the other
+one (the backends ask it when they are built), and every launch checks its tensors
+(`check_device`). The test suite chooses the mode from the device its Triton tests use
+(tests/conftest.py: ``OCTAVO_TEST_DEVICE``, cpu by default). Only the Triton paths import this
+package: a CPU engine on its default kernels never does.
 
 - `decode.py`: paged decode attention, split-K (flash-decoding) with a reduce pass, GQA query
   groups sharing one K/V read;
@@ -20,36 +23,73 @@ kernels never does.
 
 from __future__ import annotations
 
-import os
-import sys
+from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import torch
 
-# Triton decides at import whether its own library functions are interpreted: it must not have
-# been imported yet (torch._dynamo imports it, and transformers imports torch._dynamo)
-_TOO_LATE = False
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    _TOO_LATE = "triton" in sys.modules
-    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRETER_NEEDED = (
+    "Triton kernels on CPU tensors run only in Triton's interpreter, and this process "
+    "imported Triton without it: start the process with TRITON_INTERPRET=1 in its "
+    "environment (the tests: OCTAVO_TEST_DEVICE=cpu, the default)")
+COMPILER_NEEDED = (
+    "Triton kernels on CUDA tensors are compiled for the GPU, and this process imported "
+    "Triton in its interpreter (TRITON_INTERPRET=1): start it without that variable (the "
+    "tests: OCTAVO_TEST_DEVICE=cuda)")
 
 
 @cache
-def triton_missing() -> str | None:
-    """Why the Triton kernels cannot run here (Triton not installed, or imported without its
-    interpreter on a machine without a GPU), or None."""
+def interpreted() -> bool:
+    """True when this process runs Triton's interpreter. Triton made its own library functions
+    interpreted or compiled when it was imported, and that holds for the whole process, so the
+    answer is read from them (not from the environment, which may have changed since)."""
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    probe = getattr(standard, "zeros", None) or standard.cdiv  # @jit in every Triton 3
+    return isinstance(probe, InterpretedFunction)
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """`triton.jit`, in the mode Triton runs in this process (see `interpreted`), whatever the
+    environment says by the time octavo's kernel modules are imported."""
+    if interpreted():
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(fn)
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(fn)
+
+
+def mode_problem(device_type: str, interpreter: bool) -> str | None:
+    """Why tensors on `device_type` cannot go to Triton kernels running in the interpreter
+    (`interpreter`) or compiled, or None."""
+    if device_type == "cpu" and not interpreter:
+        return INTERPRETER_NEEDED
+    if device_type == "cuda" and interpreter:
+        return COMPILER_NEEDED
+    return None
+
+
+@cache
+def triton_missing(device_type: str | None = None) -> str | None:
+    """Why the Triton kernels cannot run here (on tensors of `device_type`, where given):
+    Triton not installed, or running in the other mode (see the module doc); None if they
+    can."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
     except ImportError as e:
         return f"triton is not installed ({e}); `pip install triton`"
-    if _TOO_LATE:
-        return ("there is no GPU here and Triton was imported (by torch or transformers) before "
-                "octavo could turn its interpreter on: set TRITON_INTERPRET=1 in the "
-                "environment")
-    return None
+    if device_type is None:
+        return None
+    return mode_problem(device_type, interpreted())
 
 
-def interpreted() -> bool:
-    """True when the kernels run in Triton's interpreter (CPU tensors, for the tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def check_device(t: torch.Tensor) -> None:
+    """Raise a RuntimeError naming the fix where `t`'s device needs the other Triton mode."""
+    problem = mode_problem(t.device.type, interpreted())
+    if problem is not None:
+        raise RuntimeError(problem)

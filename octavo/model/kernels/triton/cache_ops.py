@@ -21,17 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.model.kernels.triton import interpreted
+from octavo.model.kernels.triton import check_device, interpreted, jit
 
 RINT_MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to nearest even
 
 
-@triton.jit
+@jit
 def _rint(y):
     return (y + RINT_MAGIC) - RINT_MAGIC
 
 
-@triton.jit
+@jit
 def _round_fp8(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     """y (fp32, within the format's range) rounded to the nearest fp8 value, ties to even:
     the quantum of y's binade (subnormals: of the smallest normal one) is a power of two, so
@@ -42,7 +42,7 @@ def _round_fp8(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     return _rint(y / quantum) * quantum
 
 
-@triton.jit
+@jit
 def _write_kv_quant_kernel(x_ptr, cache_ptr, cache_f32_ptr, slots_ptr, scale_ptr, stride_xt,
                            rows, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
@@ -74,6 +74,7 @@ def _write_kv_quant_kernel(x_ptr, cache_ptr, cache_f32_ptr, slots_ptr, scale_ptr
 def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv) -> None:
     """write_kv into int8 / fp8 pages (`kv`: the layer's kv_quant.KVQuant)."""
+    check_device(k)
     tokens, heads, dim = k.shape
     if tokens == 0:
         return
@@ -96,7 +97,7 @@ def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         )
 
 
-@triton.jit
+@jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_vt,
                      tokens, ROW: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr):
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
@@ -115,6 +116,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, num_kv_heads, head_dim] (each row contiguous, rows may be strided: views of
     the fused qkv buffer); caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+    check_device(k)
     tokens, heads, dim = k.shape
     if tokens == 0:
         return
@@ -128,7 +130,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     )
 
 
-@triton.jit
+@jit
 def _copy_blocks_kernel(cache_ptr, pairs_ptr, stride_part, stride_block,
                         BLOCK_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
     pair = tl.program_id(0)
@@ -146,6 +148,7 @@ def _copy_blocks_kernel(cache_ptr, pairs_ptr, stride_part, stride_block,
 def copy_blocks(cache: torch.Tensor, pairs: torch.Tensor) -> None:
     """cache: [slots, 2, blocks, block_size, kv_heads, head_dim] (contiguous); pairs: [n, 2]
     (src, dst) block ids."""
+    check_device(cache)
     if pairs.numel() == 0:
         return
     assert cache.is_contiguous()

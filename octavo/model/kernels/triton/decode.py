@@ -28,13 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.model.kernels.triton import interpreted
+from octavo.model.kernels.triton import check_device, interpreted, jit
 
 SPLIT_TOKENS = 512  # context per split before another split is added
 MAX_SPLITS = 16
 
 
-@triton.jit
+@jit
 def dequant_tile(x, scale_ptr, off, row_mask, kvh, HEAD_DIM: tl.constexpr,
                  KV_KIND: tl.constexpr):
     """A tile of stored K or V rows [rows, d] as fp32 values: int8 rows times their scale
@@ -46,7 +46,7 @@ def dequant_tile(x, scale_ptr, off, row_mask, kvh, HEAD_DIM: tl.constexpr,
     return x.to(tl.float32) * tl.load(scale_ptr + kvh)
 
 
-@triton.jit
+@jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_lens_ptr, first_pos_ptr,
     part_out_ptr, part_lse_ptr,
@@ -130,7 +130,7 @@ def _decode_split_kernel(
                  mask=row_mask)
 
 
-@triton.jit
+@jit
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
@@ -192,6 +192,7 @@ def paged_decode(
     splits: int | None = None,
     kv=None,  # kv_quant.KVQuant: the caches hold quantized rows
 ) -> torch.Tensor:
+    check_device(q)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     k_scale, v_scale, kv_kind, extra = scale_views(k_cache, v_cache, kv)

@@ -14,10 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.model.kernels.triton import interpreted
+from octavo.model.kernels.triton import check_device, interpreted, jit
 
 
-@triton.jit
+@jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, eps, rows,
                      N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                      ADD_RESIDUAL: tl.constexpr):
@@ -36,7 +36,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_
     tl.store(out_ptr + r * stride_o + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _rope_kernel(qkv_ptr, cos_ptr, sin_ptr, stride_t, stride_c, rows,
                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
                  BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr):
@@ -61,7 +61,7 @@ def _rope_kernel(qkv_ptr, cos_ptr, sin_ptr, stride_t, stride_c, rows,
     tl.store(base + half, o2.to(dt), mask=mask)
 
 
-@triton.jit
+@jit
 def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, rows, N: tl.constexpr,
                          BLOCK: tl.constexpr, ROWS: tl.constexpr):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
@@ -83,6 +83,7 @@ def rows_per_program(row_elems: int) -> int:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     assert x.dim() == 2 and x.stride(1) == 1, "a [tokens, hidden] tensor with contiguous rows"
+    check_device(x)
     return x
 
 

@@ -20,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.model.kernels.triton import interpreted
+from octavo.model.kernels.triton import check_device, interpreted, jit
 from octavo.model.kernels.triton.decode import dequant_tile, dot_precision, scale_views
 
 
-@triton.jit
+@jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, query_start_ptr, start_pos_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -113,6 +113,7 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     kv=None,  # kv_quant.KVQuant: the caches hold quantized rows
 ) -> torch.Tensor:
+    check_device(q)
     _, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     k_scale, v_scale, kv_kind, extra = scale_views(k_cache, v_cache, kv)

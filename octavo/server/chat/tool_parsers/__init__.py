@@ -18,20 +18,23 @@ from octavo.server.chat.tool_parsers.hermes import HermesToolParser
 from octavo.server.chat.tool_parsers.llama3_json import Llama3JsonToolParser
 from octavo.server.chat.tool_parsers.mistral import MistralToolParser
 from octavo.server.chat.tool_parsers.pythonic import PythonicToolParser
+from octavo.server.chat.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls
-    for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+    for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+                Qwen3CoderToolParser)
 }
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    """A new parser for `--tool-call-parser NAME`; ValueError naming the known ones otherwise."""
+def get_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
+    """A new parser for `--tool-call-parser NAME` and a request's `tools` (OpenAI tool dicts);
+    ValueError naming the known ones otherwise."""
     cls = TOOL_PARSERS.get(name)
     if cls is None:
         known = ", ".join(sorted(TOOL_PARSERS))
         raise ValueError(f"unknown tool-call parser {name!r}; known parsers: {known}")
-    return cls()
+    return cls(tools)
 
 
 __all__ = [

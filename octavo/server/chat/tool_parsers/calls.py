@@ -2,7 +2,9 @@
 
 Arguments always leave a parser as `json.dumps(obj, ensure_ascii=False)` of a dict, whatever
 the model wrote ("arguments" or "parameters", an object or a JSON-encoded string), so streamed
-and non-streamed answers carry the same bytes. NaN and Infinity are rejected: they are not JSON.
+and non-streamed answers carry the same bytes. NaN and Infinity are rejected: they are not JSON;
+so are duplicate keys and lone surrogates, which json.loads would take but which would make the
+arguments streamed as they are generated (json_stream.py) differ from the whole call's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise ValueError("duplicate key")
+    return obj
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
 
 
 def decode_json_at(text: str, pos: int) -> tuple[Any, int] | None:
@@ -71,9 +80,11 @@ def dump_arguments(arguments: Any) -> str | None:
     if not isinstance(arguments, dict):
         return None
     try:
-        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        dumped = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        dumped.encode("utf-8")  # a lone surrogate is no text a client can receive
     except (TypeError, ValueError, RecursionError):
         return None
+    return dumped
 
 
 def call_from_object(obj: Any, allowed_keys: Collection[str] | None = None) -> ParsedCall | None:
@@ -90,6 +101,8 @@ def call_from_object(obj: Any, allowed_keys: Collection[str] | None = None) -> P
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         return None
+    if all(k in obj for k in ARGUMENT_KEYS):
+        return None  # which one would be the arguments?
     arguments: Any = next((obj[k] for k in ARGUMENT_KEYS if k in obj), None)
     if arguments is None:
         arguments = {}

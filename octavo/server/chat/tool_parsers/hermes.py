@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from octavo.server.chat.tool_parsers.base import ToolParser
 from octavo.server.chat.tool_parsers.calls import call_from_object, decode_json
+from octavo.server.chat.tool_parsers.json_stream import CallStreams, partial_calls
 from octavo.server.chat.tool_parsers.prompting import tools_as_json_lines
-from octavo.server.chat.tool_parsers.scanning import ParsedCall, Scanner, Step, text_until_marker
+from octavo.server.chat.tool_parsers.scanning import (
+    ParsedCall,
+    PartialCall,
+    Scanner,
+    Step,
+    skip_ws,
+    text_until_marker,
+)
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -26,6 +34,15 @@ def _parse_body(body: str) -> ParsedCall | None:
 class _HermesScanner(Scanner):
     def __init__(self) -> None:
         self._open = (-1, 0)  # cache: (body start of an open block, text length searched)
+        self._calls = CallStreams()
+
+    def partial(self, text: str, pos: int) -> list[PartialCall]:
+        if not text.startswith(START, pos):
+            return []  # the text waits on what may become a tag
+        p = skip_ws(text, pos + len(START))
+        if p == len(text) or text[p] != "{":
+            return []
+        return partial_calls(self._calls.at(text, p, 0))
 
     def step(self, text: str, pos: int, final: bool) -> Step | None:
         if not text.startswith(START, pos):

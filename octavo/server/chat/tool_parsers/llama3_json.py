@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from octavo.server.chat.tool_parsers.base import ToolParser
 from octavo.server.chat.tool_parsers.calls import JsonDecodeCache, call_from_object
+from octavo.server.chat.tool_parsers.json_stream import CallStreams, partial_calls
 from octavo.server.chat.tool_parsers.prompting import tools_as_json_lines
 from octavo.server.chat.tool_parsers.scanning import (
     ParsedCall,
+    PartialCall,
     Scanner,
     Step,
     skip_ws,
@@ -22,6 +24,7 @@ from octavo.server.chat.tool_parsers.scanning import (
 
 TAG = "<|python_tag|>"
 _KEYS = ("name", "parameters", "arguments", "type")
+_ALLOWED = frozenset(_KEYS)
 _MALFORMED = "malformed"
 
 
@@ -39,6 +42,22 @@ class _Llama3JsonScanner(Scanner):
     def __init__(self) -> None:
         self._mode = "start"  # start -> text | calls; calls -> text
         self._json = JsonDecodeCache()
+        self._calls = CallStreams()
+
+    def partial(self, text: str, pos: int) -> list[PartialCall]:
+        """The call object the scanner waits on: at the start, after the tag, or after `;`."""
+        p = skip_ws(text, pos)
+        if self._mode == "calls":
+            if not text.startswith(";", p):
+                return []
+            p = skip_ws(text, p + 1)
+        elif self._mode == "text":
+            if not text.startswith(TAG, pos):
+                return []
+            p = skip_ws(text, pos + len(TAG))
+        if p == len(text) or text[p] != "{":
+            return []
+        return partial_calls(self._calls.at(text, p, 0), _ALLOWED)
 
     def step(self, text: str, pos: int, final: bool) -> Step | None:
         if self._mode == "start":

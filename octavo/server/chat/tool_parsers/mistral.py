@@ -15,9 +15,11 @@ from typing import Any
 
 from octavo.server.chat.tool_parsers.base import ToolParser
 from octavo.server.chat.tool_parsers.calls import JsonDecodeCache, call_from_object, dump_arguments
+from octavo.server.chat.tool_parsers.json_stream import CallStreams, partial_calls
 from octavo.server.chat.tool_parsers.prompting import tools_as_json_lines
 from octavo.server.chat.tool_parsers.scanning import (
     ParsedCall,
+    PartialCall,
     Scanner,
     Step,
     held_back_len,
@@ -43,6 +45,26 @@ def _calls_from_json(value: Any) -> list[ParsedCall] | None:
 class _MistralScanner(Scanner):
     def __init__(self) -> None:
         self._json = JsonDecodeCache()
+        self._calls = CallStreams()
+
+    def partial(self, text: str, pos: int) -> list[PartialCall]:
+        """A list of call objects, one call object, or `name[ARGS]` and its arguments."""
+        if not text.startswith(MARKER, pos):
+            return []  # the text waits on what may become a marker
+        p = skip_ws(text, pos + len(MARKER))
+        if p == len(text):
+            return []
+        if text[p] in "[{":
+            return partial_calls(self._calls.at(text, p, 1 if text[p] == "[" else 0))
+        args_at = text.find(ARGS, p)
+        name = text[p:args_at]
+        if args_at < 0 or not _NAME.fullmatch(name):
+            return []
+        q = skip_ws(text, args_at + len(ARGS))
+        if q == len(text) or text[q] != "{":
+            return []
+        stream = self._calls.at(text, q, None)
+        return [] if stream.failed else [PartialCall(name, stream.out())]
 
     def step(self, text: str, pos: int, final: bool) -> Step | None:
         if not text.startswith(MARKER, pos):

@@ -6,6 +6,9 @@ Both `extract_tool_calls` (the whole output, `final=True`) and streaming (a grow
 `final=False` until the end) drive the same scanner, so they agree as long as every decision a
 scanner takes on a prefix is the one it would take on any longer text. A scanner that cannot
 decide yet returns None and is asked again, from the same position, when more text arrives.
+
+While it waits on a tool call, `partial` tells what of it is already certain (its name and
+the beginning of its arguments), so streaming can send arguments as they are generated.
 """
 
 from __future__ import annotations
@@ -17,6 +20,13 @@ from typing import NamedTuple
 
 class ParsedCall(NamedTuple):
     """A validated tool call, before it is given an id: arguments are a JSON object string."""
+
+    name: str
+    arguments: str
+
+
+class PartialCall(NamedTuple):
+    """A call still being generated: its name and a prefix of its final arguments string."""
 
     name: str
     arguments: str
@@ -37,6 +47,13 @@ class Scanner(ABC):
 
     @abstractmethod
     def step(self, text: str, pos: int, final: bool) -> Step | None: ...
+
+    def partial(self, text: str, pos: int) -> list[PartialCall]:
+        """The calls begun at `pos` that `step` could not decide yet (it just returned None
+        there), in order, as far as they are certain: if `step` later decides calls at `pos`,
+        its first ones have these names and arguments that start with these. Each call's
+        entry only grows as `text` grows. Formats that cannot tell return none."""
+        return []
 
 
 def held_back_len(text: str, marker: str) -> int:

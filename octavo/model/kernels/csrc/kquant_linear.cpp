@@ -1,0 +1,368 @@
+// Linear layers whose weights stay in GGUF's K-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights
+// each; octavo/model/quant/gguf_blocks.py, kquant.py), computed as llama.cpp computes them: each
+// activation row is quantized per 256 to int8 (Q8K: one fp32 scale per 256 and the sums of every
+// 16 quantized values, which the formats' mins and Q6_K's offset need), and each super-block's
+// dot product is taken on integers (kquant_simd.h), then scaled in fp32. Super-block layouts in
+// memory (kquant.repack; gguf-py's gguf.quants is the reference for the file's):
+//   Q4_K, 148 bytes: d fp16, dmin fp16, 8 scale bytes, 8 min bytes (the file's 12 bytes of 6-bit
+//     values, unpacked at load), 128 bytes of nibbles (bytes 32j..32j+31: sub-block 2j in the
+//     low nibbles, 2j+1 in the high); w = d * scale_s * q - dmin * min_s, 8 sub-blocks of 32.
+//   Q5_K, 180 bytes: d, dmin, the 16 scale and min bytes, 32 bytes qh (bit s of byte l: the
+//     fifth bit of sub-block s's element l), then Q4_K's 128 bytes of nibbles.
+//   Q6_K, 210 bytes (the file's): 128 bytes ql (low nibbles), 64 bytes qh (2 high bits), 16 int8
+//     scales (one per 16 weights), d fp16; w = d * scale_s * (q - 32).
+// Paths (chosen at run time): in the AVX-512 build, AVX512-VNNI where the CPU has avx512_vnni;
+// AVX2 (vpmaddubsw + vpmaddwd; also the AVX-512 build's path without VNNI); portable C++.
+// kquant_dequantize widens rows to fp32 exactly as gguf-py does (the products are exact in fp32
+// and each weight rounds once, so the operation order cannot change a bit).
+#include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "ops.h"
+
+namespace {
+
+constexpr int kQ4K = 2, kQ5K = 3, kQ6K = 4;
+constexpr int64_t kBytes[5] = {0, 0, 148, 180, 210};
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // c10::Half converts in software outside ATen's own kernels
+#else
+  c10::Half v;
+  v.x = h;
+  return static_cast<float>(v);
+#endif
+}
+
+// activations quantized per 256: x ~ q * d
+struct Q8K {
+  int64_t K, nb;         // per row: values, super-blocks
+  const int8_t* q;       // [M, K]
+  const float* d;        // [M, nb]
+  const int16_t* bsums;  // [M, K / 16]: sums of every 16 q
+};
+
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* xb = x + b * 256;
+    float amax = 0.f;
+    for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int j = 0; j < 256; ++j)
+      q[b * 256 + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+    for (int g = 0; g < 16; ++g) {
+      int sum = 0;
+      for (int j = 0; j < 16; ++j) sum += q[b * 256 + g * 16 + j];
+      bsums[b * 16 + g] = static_cast<int16_t>(sum);
+    }
+    d[b] = amax / 127.f;
+  }
+}
+
+// ---- one super-block's codes and scales (portable dot, dequantization) ----------------------
+
+// q: the 256 codes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, before Q6_K's -32); sc: the scale per
+// 32 (Q4_K/Q5_K, 8) or per 16 (Q6_K, 16); mn: the mins per 32 (Q4_K/Q5_K)
+template <int KIND>
+inline void unpack_block(const uint8_t* blk, uint8_t* q, int* sc, int* mn) {
+  if (KIND == kQ6K) {
+    const uint8_t* ql = blk;
+    const uint8_t* qh = blk + 128;
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 32; ++l) {
+        const int hb = qh[32 * h + l];
+        uint8_t* o = q + 128 * h + l;
+        o[0] = (ql[64 * h + l] & 15) | ((hb & 3) << 4);
+        o[32] = (ql[64 * h + 32 + l] & 15) | (((hb >> 2) & 3) << 4);
+        o[64] = (ql[64 * h + l] >> 4) | (((hb >> 4) & 3) << 4);
+        o[96] = (ql[64 * h + 32 + l] >> 4) | (((hb >> 6) & 3) << 4);
+      }
+    for (int s = 0; s < 16; ++s) sc[s] = static_cast<int8_t>(blk[192 + s]);
+    return;
+  }
+  for (int s = 0; s < 8; ++s) sc[s] = blk[4 + s], mn[s] = blk[12 + s];
+  const uint8_t* qs = blk + (KIND == kQ4K ? 20 : 52);
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * j + l] = qs[32 * j + l] & 15;
+      q[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+    }
+  if (KIND == kQ5K) {
+    const uint8_t* qh = blk + 20;
+    for (int s = 0; s < 8; ++s)
+      for (int l = 0; l < 32; ++l) q[32 * s + l] |= ((qh[l] >> s) & 1) << 4;
+  }
+}
+
+template <int KIND>
+void dequantize_block(const uint8_t* blk, float* out) {
+  alignas(64) uint8_t q[256];
+  int sc[16], mn[8];
+  unpack_block<KIND>(blk, q, sc, mn);
+  if (KIND == kQ6K) {
+    const float d = half_to_float(blk + 208);
+    for (int s = 0; s < 16; ++s) {
+      const float ds = d * static_cast<float>(sc[s]);
+      for (int l = 0; l < 16; ++l)
+        out[16 * s + l] = ds * static_cast<float>(static_cast<int>(q[16 * s + l]) - 32);
+    }
+    return;
+  }
+  const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+  for (int s = 0; s < 8; ++s) {
+    const float ds = d * static_cast<float>(sc[s]), dm = dmin * static_cast<float>(mn[s]);
+    for (int l = 0; l < 32; ++l) out[32 * s + l] = ds * static_cast<float>(q[32 * s + l]) - dm;
+  }
+}
+
+// portable: the same integer sums in plain loops, each super-block unpacked once for up to 16
+// activation rows m0..m1-1
+template <int KIND>
+void rows_dot_portable(const uint8_t* row, const Q8K& X, int64_t m0, int64_t m1, float* out,
+                       int64_t ldo, float bias) {
+  alignas(64) uint8_t q[256];
+  int sc[16], mn[8];
+  float acc[16] = {};
+  const int per = KIND == kQ6K ? 16 : 32;
+  for (int64_t b = 0; b < X.nb; ++b) {
+    const uint8_t* blk = row + b * kBytes[KIND];
+    unpack_block<KIND>(blk, q, sc, mn);
+    const float d = half_to_float(blk + (KIND == kQ6K ? 208 : 0));
+    const float dmin = KIND == kQ6K ? 0.f : half_to_float(blk + 2);
+    for (int64_t m = m0; m < m1; ++m) {
+      const int8_t* xq = X.q + m * X.K + b * 256;
+      const int16_t* bs = X.bsums + m * (X.K / 16) + b * 16;
+      const float dx = X.d[m * X.nb + b];
+      int32_t sumi = 0;
+      for (int s = 0; s < 256 / per; ++s) {
+        int32_t dot = 0;
+        for (int l = 0; l < per; ++l) dot += q[s * per + l] * xq[s * per + l];
+        if (KIND == kQ6K) dot -= 32 * bs[s];
+        sumi += sc[s] * dot;
+      }
+      float& a = acc[m - m0];
+      if (KIND == kQ6K) {
+        a += d * dx * static_cast<float>(sumi);
+      } else {
+        int32_t summ = 0;
+        for (int s = 0; s < 8; ++s) summ += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
+        a += d * dx * static_cast<float>(sumi) - dmin * dx * static_cast<float>(summ);
+      }
+    }
+  }
+  for (int64_t m = m0; m < m1; ++m) out[m * ldo] = acc[m - m0] + bias;
+}
+
+}  // namespace
+
+#if defined(__AVX2__)
+#define KQ_NS kq_avx2
+#define KQ_VNNI 0
+namespace {
+#include "kquant_simd.h"
+}
+#undef KQ_NS
+#undef KQ_VNNI
+#endif
+
+#if defined(__AVX512F__)
+#pragma GCC push_options
+#pragma GCC target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")
+#define KQ_NS kq_vnni
+#define KQ_VNNI 1
+namespace {
+#include "kquant_simd.h"
+}
+#undef KQ_NS
+#undef KQ_VNNI
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+enum class Path { kPortable, kAvx2, kVnni };
+
+Path kernel_path() {
+#if defined(__AVX512F__)
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  if (vnni) return Path::kVnni;
+#endif
+#if defined(__AVX2__)
+  return Path::kAvx2;
+#else
+  return Path::kPortable;
+#endif
+}
+
+// activation rows a thread takes at once: their int8 rows stay in L2 while every weight row of
+// the thread's range passes them (only prefill-sized batches have more)
+int64_t rows_per_pass(int64_t K) { return std::max<int64_t>(4, (192 * 1024 / K) / 4 * 4); }
+
+template <int KIND, typename Dot>
+void run_rows(const uint8_t* q, int64_t row_bytes, const Q8K& X, int64_t M, float* out,
+              int64_t N, int64_t n0, int64_t n1, const float* bias, Dot&& dot) {
+  const int64_t pass = rows_per_pass(X.K);
+  for (int64_t ms = 0; ms < M; ms += pass) {
+    const int64_t me = std::min(M, ms + pass);
+    for (int64_t n = n0; n < n1; ++n) dot(q + n * row_bytes, ms, me, out + n, bias ? bias[n] : 0.f);
+  }
+}
+
+template <int KIND>
+void linear_rows(Path path, const uint8_t* q, int64_t row_bytes, const Q8K& X, int64_t M,
+                 float* out, int64_t N, int64_t n0, int64_t n1, const float* bias) {
+  switch (path) {
+#if defined(__AVX512F__)
+    case Path::kVnni:
+      run_rows<KIND>(q, row_bytes, X, M, out, N, n0, n1, bias,
+                     [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
+                       int64_t m = ms;
+                       for (; m + 8 <= me; m += 8) kq_vnni::row_dot<KIND, 8>(row, X, m, o + m * N, N, bn);
+                       for (; m + 4 <= me; m += 4) kq_vnni::row_dot<KIND, 4>(row, X, m, o + m * N, N, bn);
+                       switch (me - m) {
+                         case 3: kq_vnni::row_dot<KIND, 3>(row, X, m, o + m * N, N, bn); break;
+                         case 2: kq_vnni::row_dot<KIND, 2>(row, X, m, o + m * N, N, bn); break;
+                         case 1: kq_vnni::row_dot<KIND, 1>(row, X, m, o + m * N, N, bn); break;
+                         default: break;
+                       }
+                     });
+      return;
+#endif
+#if defined(__AVX2__)
+    case Path::kAvx2:
+      run_rows<KIND>(q, row_bytes, X, M, out, N, n0, n1, bias,
+                     [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
+                       int64_t m = ms;
+                       for (; m + 8 <= me; m += 8) kq_avx2::row_dot<KIND, 8>(row, X, m, o + m * N, N, bn);
+                       for (; m + 4 <= me; m += 4) kq_avx2::row_dot<KIND, 4>(row, X, m, o + m * N, N, bn);
+                       switch (me - m) {
+                         case 3: kq_avx2::row_dot<KIND, 3>(row, X, m, o + m * N, N, bn); break;
+                         case 2: kq_avx2::row_dot<KIND, 2>(row, X, m, o + m * N, N, bn); break;
+                         case 1: kq_avx2::row_dot<KIND, 1>(row, X, m, o + m * N, N, bn); break;
+                         default: break;
+                       }
+                     });
+      return;
+#endif
+    default:
+      run_rows<KIND>(q, row_bytes, X, M, out, N, n0, n1, bias,
+                     [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
+                       for (int64_t m = ms; m < me; m += 16)
+                         rows_dot_portable<KIND>(row, X, m, std::min(me, m + 16), o, N, bn);
+                     });
+  }
+}
+
+// f(kind) with the kind as a compile-time constant
+template <typename F>
+void with_kind(int64_t kind, F&& f) {
+  if (kind == kQ4K)
+    f(std::integral_constant<int, kQ4K>{});
+  else if (kind == kQ5K)
+    f(std::integral_constant<int, kQ5K>{});
+  else
+    f(std::integral_constant<int, kQ6K>{});
+}
+
+// the weights' K from q [N, K / 256 * bytes]
+int64_t check_kquant(int64_t kind, const at::Tensor& q) {
+  TORCH_CHECK(kind == kQ4K || kind == kQ5K || kind == kQ6K,
+              "kind must be 2 (Q4_K), 3 (Q5_K) or 4 (Q6_K)");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kByte,
+              "q must be a contiguous uint8 [N, bytes] tensor");
+  TORCH_CHECK(q.size(1) % kBytes[kind] == 0, "q's rows (", q.size(1),
+              " bytes) are not whole super-blocks of ", kBytes[kind], " bytes");
+  return q.size(1) / kBytes[kind] * 256;
+}
+
+}  // namespace
+
+std::string kquant_kernel() {
+  switch (kernel_path()) {
+    case Path::kVnni: return "avx512_vnni";
+    case Path::kAvx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+std::vector<at::Tensor> kquant_quantize_x(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 256 == 0, "x must be [M, K] with K a multiple of 256");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1);
+  auto q = at::empty({M, K}, xf.options().dtype(at::kChar));
+  auto d = at::empty({M, K / 256}, xf.options());
+  auto bsums = at::empty({M, K / 16}, xf.options().dtype(at::kShort));
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      quantize_row(xf.data_ptr<float>() + m * K, K, q.data_ptr<int8_t>() + m * K,
+                   d.data_ptr<float>() + m * (K / 256), bsums.data_ptr<int16_t>() + m * (K / 16));
+  });
+  return {q, d, bsums};
+}
+
+at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
+                         c10::optional<at::Tensor> bias) {
+  const int64_t K = check_kquant(kind, q), N = q.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must be [N]");
+  }
+  const auto xq = kquant_quantize_x(x);
+  const int64_t M = x.size(0);
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const Q8K X{K, K / 256, xq[0].data_ptr<int8_t>(), xq[1].data_ptr<float>(),
+              xq[2].data_ptr<int16_t>()};
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const int64_t row_bytes = q.size(1);
+  float* op = out.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const Path path = kernel_path();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    with_kind(kind, [&](auto k) {
+      linear_rows<decltype(k)::value>(path, qp, row_bytes, X, M, op, N, n0, n1, bp);
+    });
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor kquant_dequantize(int64_t kind, at::Tensor q, int64_t row_begin, int64_t row_end,
+                             c10::optional<at::Tensor> out) {
+  const int64_t K = check_kquant(kind, q);
+  TORCH_CHECK(0 <= row_begin && row_begin <= row_end && row_end <= q.size(0),
+              "rows out of range");
+  const int64_t rows = row_end - row_begin;
+  at::Tensor o;
+  if (out.has_value()) {
+    TORCH_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() &&
+                    out->numel() >= rows * K, "out must be a contiguous float32 buffer");
+    o = out->view(-1).narrow(0, 0, rows * K).view({rows, K});
+  } else {
+    o = at::empty({rows, K}, q.options().dtype(at::kFloat));
+  }
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const int64_t row_bytes = q.size(1);
+  float* op = o.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    with_kind(kind, [&](auto k) {
+      constexpr int KIND = decltype(k)::value;
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t b = 0; b < K / 256; ++b)
+          dequantize_block<KIND>(qp + (row_begin + r) * row_bytes + b * kBytes[KIND],
+                                 op + r * K + b * 256);
+    });
+  });
+  return o;
+}

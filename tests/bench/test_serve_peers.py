@@ -1,0 +1,73 @@
+"""`octavo bench serve-peers` end to end against octavo alone on the tiny random model: the
+traffic shapes, the SLO arithmetic, and the harness (peers skipped, saying why)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from octavo.bench import traffic
+from octavo.bench.cli import main as bench_main
+from octavo.bench.slo_client import SLO, Timing, max_sustained_rate, peak_overlap, summarize
+
+
+def test_traffic_is_seeded_and_shaped() -> None:
+    chat = traffic.chat(20, system_len=100, max_model_len=512, vocab=1000, seed=1)
+    assert chat == traffic.chat(20, system_len=100, max_model_len=512, vocab=1000, seed=1)
+    assert chat.num_requests == 20 and all(len(s) == 1 for s in chat.sessions)
+    system = chat.sessions[0][0].prompt_token_ids[:100]
+    assert all(s[0].prompt_token_ids[:100] == system for s in chat.sessions)
+    assert all(t.prompt_len + t.output_len <= 512 for t in chat.turns)
+    agent = traffic.agent(5, turns=3, system_len=64, first_len=20, mean_tool=30,
+                          max_model_len=2048, vocab=1000, seed=2)
+    for session in agent.sessions:
+        for prev, nxt in zip(session, session[1:], strict=False):
+            # the history grows: each turn resends the previous prompt, answer and tool result
+            assert nxt.prompt_token_ids[:prev.prompt_len] == prev.prompt_token_ids
+            assert nxt.prompt_len > prev.prompt_len + prev.output_len
+    starts = agent.session_starts(3.0, seed=0)
+    assert starts == sorted(starts) and agent.session_starts(math.inf, 0) == [0.0] * 5
+
+
+def test_slo_summary() -> None:
+    def t(ttft: float, latency: float, n: int = 11, error: str | None = None) -> Timing:
+        return Timing(0, 0, 10, n, sent=0.0, ttft=ttft, latency=latency, output_tokens=n,
+                      error=error)
+
+    slo = SLO(ttft_s=1.0, tpot_s=0.1)
+    good, slow = t(0.5, 1.5), t(0.5, 2.5)  # TPOT 0.1 s and 0.2 s
+    assert good.meets(slo) and not slow.meets(slo)
+    row = summarize([good, good, slow], duration=2.0, rate=1.0, slo=slo)
+    assert row["goodput_req_s"] == 1.0 and row["good_requests"] == 2
+    assert not row["sustained"]  # p90 TPOT is over the limit
+    assert summarize([good] * 3, 2.0, 0.5, slo)["sustained"]
+    failed = summarize([good, t(0.5, 1.5, error="HTTP 500")], 2.0, 2.0, slo)
+    assert not failed["sustained"] and failed["errors"] == ["HTTP 500"]
+    rows = [{"rate": 0.5, "sustained": True}, {"rate": 1.0, "sustained": True},
+            {"rate": 2.0, "sustained": False}]
+    assert max_sustained_rate(rows) == 1.0 and max_sustained_rate(rows[2:]) == 0.0
+    assert peak_overlap([(0, 2), (1, 3), (2, 4), (5, 6)]) == 2
+
+
+def test_serve_peers_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    argv = ["serve-peers", "--quick", "--threads", "1", "--model", str(tiny_llama_dir),
+            "--out", str(tmp_path), "--llama-server", str(tmp_path / "no-llama-server"),
+            "--peer-python", str(tmp_path / "no-python")]
+    assert bench_main(argv) == 0
+    data = json.loads((tmp_path / "serve-peers.json").read_text())
+    assert (tmp_path / "serve-peers.png").stat().st_size > 0
+    res = data["results"]
+    assert set(res["skipped"]) == {"llama-server", "vllm"}
+    assert all(why.startswith("skipped") for why in res["skipped"].values())
+    rows = res["rows"]
+    assert {r["workload"] for r in rows} == {"chat", "agent"}
+    for r in rows:
+        assert r["server"] == "octavo" and r["completed"] == r["requests"] and not r["errors"]
+        assert r["kv_blocks_used_after"] == 0  # every block back in the pool
+        assert r["peak_running"] >= 1 and r["peak_rss_mib"] > 0
+        assert r["prefix_hit_rate"] is not None and r["prefix_hit_rate"] > 0
+    assert set(res["max_sustained_rate"]) == {"octavo"}
+    assert set(res["max_sustained_rate"]["octavo"]) == {"chat", "agent"}
+    md = (tmp_path / "serve-peers.md").read_text()
+    assert "llama-server: skipped" in md and "vllm: skipped" in md

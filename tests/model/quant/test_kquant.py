@@ -1,0 +1,390 @@
+"""GGUF K-quants (Q4_K, Q5_K, Q6_K) computed in their super-blocks (model/quant/kquant.py,
+gguf_blocks.py, csrc/kquant_linear.cpp), against gguf-py's own dequantization (gguf.quants,
+an independent reference) on random valid super-blocks:
+- the dequantization, torch's and every ISA build's, is gguf-py's bit for bit;
+- the kernel of every ISA build this CPU runs, M = 1..16 and a prefill size, odd N, K a
+  multiple of 256, against two references in float64: W (gguf-py) times x, whose distance is
+  bounded by the int8 rounding of the activations: each x_j moves by at most half a step,
+  d_b / 2 = max|x in its 256| / 254, so |err| <= sum_b (d_b / 2) sum_{j in b} |w_j|; and W
+  times the activations as the kernel quantized them, where only fp32 rounding remains
+  (bounded here by 1e-5 of sum |w_j xq_j d_b|, measured ~5e-8);
+- BlockQuantLinear's paths (the kernel, the widened tiles, torch) and its row lookup; a fused
+  layer whose parts are of different formats (BlockConcat);
+- a tiny model whose linears are K-quant blocks: the same greedy tokens batched and alone,
+  through the C++ decode loop and through the Python layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from octavo import LLM, SamplingParams
+from octavo.model.kernels.cpu_isa import supported_isas
+from octavo.model.kernels.cpu_ops import load_cpu_ops
+from octavo.model.quant import block_quant, kquant
+from octavo.model.quant.block_concat import BlockConcat
+from octavo.model.quant.block_quant import SMALL_BATCH, BlockQuantLinear
+from octavo.model.quant.gguf_blocks import (
+    FORMATS,
+    Blocks,
+    _planes,
+    block_linears,
+    block_type,
+    cat_rows,
+    fused_linear,
+)
+from tests.model.quant.kquant_blocks import GGML_NAMES, quantize, random_blocks
+
+ISAS = supported_isas()
+KINDS = list(GGML_NAMES)
+IDS = [GGML_NAMES[k] for k in KINDS]
+
+
+def ops_for(isa: str):
+    ops = load_cpu_ops(isa)
+    if ops is None:
+        pytest.skip(f"octavo's CPU ops ({isa}) cannot be built here")
+    assert ops.isa() == isa
+    return ops
+
+
+def gguf_dequantize(kind: int, raw: np.ndarray) -> torch.Tensor:
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    w = gguf.quants.dequantize(raw, GGMLQuantizationType[GGML_NAMES[kind]])
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+def check_against_references(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                             bias: torch.Tensor | None) -> None:
+    got, w64 = got.double(), w.double()
+    b = 0 if bias is None else bias.double()
+    xq, d = kquant.quantize_activations(x)
+    m, k = x.shape
+    x_as = (xq.double().reshape(m, -1, 256) * d.double()[..., None]).reshape(m, k)
+    # the quantized activations: fp32 rounding only
+    mag = x_as.abs() @ w64.abs().T
+    assert ((got - (x_as @ w64.T + b)).abs() <= 1e-5 * mag + 1e-9).all()
+    # the float activations: the int8 rounding's bound (plus the fp32 slack above)
+    half_step = (d.double() / 2).repeat_interleave(256, dim=1)
+    bound = half_step @ w64.abs().T
+    err = (got - (x.double() @ w64.T + b)).abs()
+    assert (err <= bound + 1e-5 * mag + 1e-9).all(), (err - bound).max()
+    assert err.max() > 0  # the activations were rounded: the two references differ
+
+
+# ---- dequantization ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS, ids=IDS)
+def test_dequantize_is_gguf_pys_bit_for_bit(kind):
+    rng = np.random.default_rng(kind)
+    raw = random_blocks(kind, 9, 768, rng)
+    want = gguf_dequantize(kind, raw)
+    q = kquant.repack(kind, torch.from_numpy(raw))
+    assert torch.equal(kquant.dequantize(kind, q), want)
+    for isa in ISAS:
+        ops = ops_for(isa)
+        assert torch.equal(ops.kquant_dequantize(kind, q, 0, 9, None), want)
+        buf = torch.full((9 * 768,), float("nan"))
+        got = ops.kquant_dequantize(kind, q, 2, 7, buf)
+        assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want[2:7])
+
+
+def test_quantizer_makes_blocks_close_to_the_weights():
+    """The tests' own quantizer (kquant_blocks.py): valid super-blocks near the weights."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((6, 512)) * 0.02).astype(np.float32)
+    for kind, levels in ((kquant.Q4_K, 15), (kquant.Q5_K, 31), (kquant.Q6_K, 63)):
+        back = gguf_dequantize(kind, quantize(kind, w)).numpy()
+        assert np.abs(back - w).max() < 2 * np.abs(w).max() / levels, GGML_NAMES[kind]
+
+
+def test_activation_quantization_is_the_kernels():
+    ops = ops_for(ISAS[0])
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 768, generator=gen) * 3
+    x[1, :256] = 0  # an all-zero super-block: scale 0
+    q, d, sums = ops.kquant_quantize_x(x)
+    want_q, want_d = kquant.quantize_activations(x)
+    assert torch.equal(q, want_q) and torch.equal(d, want_d)
+    assert torch.equal(sums, want_q.reshape(5, -1, 16).sum(-1).to(torch.int16))
+    assert q.abs().max() == 127 and d[1, 0] == 0 and q[1, :256].eq(0).all()
+
+
+# ---- the kernel ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS, ids=IDS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_against_gguf_dequantized_matmul(isa, kind):
+    ops = ops_for(isa)
+    rng = np.random.default_rng(10 * kind + ISAS.index(isa))
+    gen = torch.Generator().manual_seed(kind)
+    for n, k in ((37, 256), (5, 768)):
+        raw = random_blocks(kind, n, k, rng)
+        q, w = kquant.repack(kind, torch.from_numpy(raw)), gguf_dequantize(kind, raw)
+        bias = torch.randn(n, generator=gen)
+        for m in (*range(1, SMALL_BATCH + 1), 64):
+            x = torch.randn(m, k, generator=gen) * 2
+            b = bias if m % 2 else None
+            got = ops.kquant_linear(x, kind, q, b)
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            check_against_references(got, x, w, b)
+        xb = torch.randn(3, k, generator=gen).bfloat16()  # computed in fp32, returned in bf16
+        got = ops.kquant_linear(xb, kind, q, bias)
+        assert got.dtype == torch.bfloat16
+        want = ops.kquant_linear(xb.float(), kind, q, bias)
+        assert torch.equal(got, want.bfloat16())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_on_extreme_values(isa):
+    """Every code at its extreme with the largest scales and full-range activations: the
+    integer sums must neither saturate (vpmaddubsw's int16 pairs) nor overflow."""
+    ops = ops_for(isa)
+    k = 512
+    x = torch.full((3, k), 100.0)
+    x[1] = -100.0
+    x[1, ::3] = 100.0
+    for kind in KINDS:
+        raw = np.full((4, k // 256 * kquant.FILE_BYTES[kind]), 255, np.uint8)
+        raw[1::2] = np.where(np.arange(raw.shape[1]) % 2, 0, 255).astype(np.uint8)
+        size = kquant.FILE_BYTES[kind]
+        blocks = raw.reshape(4, -1, size)
+        at = 208 if kind == kquant.Q6_K else 0
+        blocks[..., at:at + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+        if kind == kquant.Q6_K:
+            blocks[2, :, 192:208] = 0x80  # scale -128
+        else:
+            blocks[..., 2:4] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+        raw = blocks.reshape(4, -1)
+        got = ops.kquant_linear(x, kind, kquant.repack(kind, torch.from_numpy(raw)), None)
+        check_against_references(got, x, gguf_dequantize(kind, raw), None)
+
+
+def test_kernel_rejects_bad_input():
+    ops = ops_for(ISAS[0])
+    raw = random_blocks(kquant.Q4_K, 4, 512, np.random.default_rng(3))
+    q = kquant.repack(kquant.Q4_K, torch.from_numpy(raw))
+    x = torch.randn(2, 512)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 512\]"):
+        ops.kquant_linear(torch.randn(2, 256), kquant.Q4_K, q, None)
+    with pytest.raises(RuntimeError, match="kind must be 2 \\(Q4_K\\), 3 \\(Q5_K\\) or 4"):
+        ops.kquant_linear(x, 1, q, None)
+    with pytest.raises(RuntimeError, match="not whole super-blocks of 180 bytes"):
+        ops.kquant_linear(x, kquant.Q5_K, q, None)
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        ops.kquant_linear(x, kquant.Q4_K, q.view(torch.int8), None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.kquant_linear(x, kquant.Q4_K, q, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        ops.kquant_dequantize(kquant.Q4_K, q, 3, 5, None)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        ops.kquant_quantize_x(torch.randn(2, 100))
+
+
+# ---- the formats and BlockQuantLinear --------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS, ids=IDS)
+def test_gguf_blocks_repack_the_files_bytes(kind):
+    """Q4_K / Q5_K: the 12 bytes of 6-bit scales and mins unpacked to 16 (148 and 180 bytes a
+    super-block, within 3% of the file's), the rest of the block unchanged; Q6_K as it is."""
+    name = GGML_NAMES[kind]
+    assert block_type(name) and not block_type("Q3_K") and not block_type("IQ4_XS")
+    fmt, size = FORMATS[name]
+    assert fmt.kquant and fmt.kind == kind and fmt.group == 256 and size == kquant.FILE_BYTES[kind]
+    raw = random_blocks(kind, 6, 512, np.random.default_rng(4))
+    blocks = _planes(name, raw, 6, 512)
+    assert isinstance(blocks, Blocks) and blocks.scale is None and blocks.mins is None
+    mem = blocks.q.numpy().reshape(12, kquant.BLOCK_BYTES[kind])
+    file = raw.reshape(12, size)
+    assert raw.nbytes <= blocks.nbytes() <= 1.03 * raw.nbytes
+    if kind == kquant.Q6_K:
+        assert np.array_equal(mem, file)
+    else:
+        assert np.array_equal(mem[:, :4], file[:, :4]) and np.array_equal(mem[:, 20:], file[:, 16:])
+        sc, mn = (torch.from_numpy(file[:, 4:16]).int(),) * 2
+        want_sc = [(sc[:, j] & 63) if j < 4 else (sc[:, j + 4] & 15) | ((sc[:, j - 4] >> 6) << 4)
+                   for j in range(8)]  # llama.cpp's get_scale_min_k4
+        want_mn = [(mn[:, j + 4] & 63) if j < 4 else (mn[:, j + 4] >> 4) | ((mn[:, j] >> 6) << 4)
+                   for j in range(8)]
+        assert np.array_equal(mem[:, 4:12], torch.stack(want_sc, 1).numpy())
+        assert np.array_equal(mem[:, 12:20], torch.stack(want_mn, 1).numpy())
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    moved = blocks.rows(perm)
+    assert torch.equal(moved.q, blocks.q[perm])
+    joined = cat_rows([moved, blocks])
+    assert joined is not None and joined.q.shape == (12, blocks.q.shape[1])
+    assert cat_rows([blocks, _planes("Q8_0", np.zeros((6, 16 * 34), np.uint8), 6, 512)]) is None
+    layer = joined.linear()
+    assert (layer.out_features, layer.in_features) == (12, 512)
+    assert layer.nbytes() == 2 * blocks.nbytes() and layer.fmt.bits == {2: 4, 3: 5, 4: 6}[kind]
+    assert torch.equal(layer.dequantized_weight()[:6], gguf_dequantize(kind, raw)[perm])
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=IDS)
+@pytest.mark.parametrize("ops_name", ["torch", *ISAS])
+def test_block_quant_linear_paths(ops_name, kind, monkeypatch):
+    """The kernel at every batch size (a row's result is the same whatever the batch); the
+    widened tiles + GEMM (_tiled, several tiles here) with the activations quantized as the
+    kernel's are; without the compiled ops, torch. All against the same references."""
+    n, k = 37, 512
+    raw = random_blocks(kind, n, k, np.random.default_rng(5))
+    gen = torch.Generator().manual_seed(6)
+    bias = torch.randn(n, generator=gen)
+    layer = BlockQuantLinear(FORMATS[GGML_NAMES[kind]][0],
+                             kquant.repack(kind, torch.from_numpy(raw)), None, None, bias)
+    if ops_name != "torch":
+        layer.ops = ops_for(ops_name)
+    monkeypatch.setattr(block_quant, "TILE_ELEMENTS", 16 * k)
+    w = gguf_dequantize(kind, raw)
+    xs = torch.randn(40, k, generator=gen)
+    for m in (1, 7, SMALL_BATCH, SMALL_BATCH + 1, 40):
+        x = xs[:m]
+        got = layer(x)
+        assert got.shape == (m, n)
+        check_against_references(got, x, w, bias)
+        if ops_name != "torch":
+            assert torch.equal(got, layer(xs)[:m])  # batch-invariant, bit for bit
+            check_against_references(layer._tiled(x), x, w, bias)
+    x = torch.randn(2, 3, k, generator=gen)
+    assert torch.equal(layer(x), layer(x.reshape(6, k)).reshape(2, 3, n))
+    ids = torch.tensor([[4, 0], [36, 4]])
+    rows = layer.dequantize_rows(ids)
+    assert rows.shape == (4, k) and torch.equal(rows, w[ids.reshape(-1)])
+
+
+@pytest.mark.parametrize("ops_name", ["torch", *ISAS])
+def test_fused_layer_of_mixed_formats(ops_name):
+    """q/k as Q4_K and v as Q6_K (a Q4_K_M file's pattern): a BlockConcat computing each part
+    in its own blocks, the bias split between them; one format: one BlockQuantLinear."""
+    rng = np.random.default_rng(8)
+    raws = [random_blocks(kquant.Q4_K, 8, 512, rng), random_blocks(kquant.Q4_K, 4, 512, rng),
+            random_blocks(kquant.Q6_K, 4, 512, rng)]
+    parts = [_planes(name, raw, raw.shape[0], 512)
+             for name, raw in zip(("Q4_K", "Q4_K", "Q6_K"), raws, strict=True)]
+    bias = torch.randn(16)
+    layer = fused_linear(parts, bias)
+    assert type(layer) is BlockConcat and (layer.in_features, layer.out_features) == (512, 16)
+    assert [p.fmt.name for p in block_linears(layer)] == ["q4_k", "q4_k", "q6_k"]
+    assert layer.nbytes() == sum(kquant.repack(k, torch.from_numpy(r)).numel() for k, r in
+                                 zip((kquant.Q4_K, kquant.Q4_K, kquant.Q6_K), raws, strict=True))
+    if ops_name != "torch":
+        layer.ops = ops_for(ops_name)
+        assert all(p.ops is layer.ops for p in layer.parts)
+    w = torch.cat([gguf_dequantize(k, r) for k, r in
+                   zip((kquant.Q4_K, kquant.Q4_K, kquant.Q6_K), raws, strict=True)])
+    assert torch.equal(layer.dequantized_weight(), w)
+    x = torch.randn(3, 512)
+    check_against_references(layer(x), x, w, bias)
+    ids = torch.tensor([15, 0, 9, 12])
+    assert torch.equal(layer.dequantize_rows(ids), w[ids])
+    same = fused_linear(parts[:2], bias[:12])
+    assert type(same) is BlockQuantLinear and same.out_features == 12
+    assert fused_linear([parts[0], None], None) is None
+    with pytest.raises(ValueError, match="share their input features"):
+        BlockConcat([parts[0].linear(), _planes("Q6_K", random_blocks(
+            kquant.Q6_K, 2, 256, rng), 2, 256).linear()])
+
+
+def test_block_quant_linear_rejects_bad_kquant_tensors():
+    fmt = FORMATS["Q6_K"][0]
+    with pytest.raises(ValueError, match="not whole super-blocks of 210 bytes"):
+        BlockQuantLinear(fmt, torch.zeros(2, 200, dtype=torch.uint8), None, None, None)
+    with pytest.raises(ValueError, match="scale and mins must be None"):
+        BlockQuantLinear(fmt, torch.zeros(2, 210, dtype=torch.uint8),
+                         torch.zeros(2, 1, dtype=torch.float16), None, None)
+    with pytest.raises(ValueError, match="q must be uint8"):
+        BlockQuantLinear(fmt, torch.zeros(2, 210, dtype=torch.int8), None, None, None)
+
+
+def test_rows_lookup_of_32_weight_blocks():
+    """dequantize_rows on the 32-weight formats too (a Q8_0 embedding kept in blocks)."""
+    gen = torch.Generator().manual_seed(7)
+    q, scale = block_quant.quantize_int8_blocks(torch.randn(9, 64, generator=gen))
+    layer = BlockQuantLinear(FORMATS["Q8_0"][0], q, scale, None, None)
+    ids = torch.tensor([8, 1, 1])
+    assert torch.equal(layer.dequantize_rows(ids), layer.dequantized_weight()[ids])
+
+
+# ---- a tiny model in K-quant blocks through the engine ---------------------------------------
+
+KQUANT_TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64)
+
+
+def kquant_type(name: str):
+    """Each tiny tensor's GGUF type: Q4_K, Q5_K and Q6_K; layer 1's fused qkv mixes two."""
+    from gguf import GGMLQuantizationType as T
+
+    if name == "blk.1.attn_v.weight":  # a Q4_K_M file's pattern: a fused qkv of two types
+        return T.Q6_K
+    kind = name.rsplit(".", 2)[-2]
+    return {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q4_K, "attn_output": T.Q5_K,
+            "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "output": T.Q6_K,
+            "token_embd": T.Q8_0}.get(kind)
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+    import gguf
+    import gguf.quants
+
+    from tests.conftest import build_tiny_llama
+    from tests.model.test_gguf_models import write_llama_gguf
+
+    hf = build_tiny_llama(tmp_path_factory.mktemp("tiny-kquant-hf"), **KQUANT_TINY)
+    add = gguf.GGUFWriter.add_tensor
+
+    def add_quantized(self, name, tensor, *args, **kwargs):
+        qtype = kquant_type(name)
+        if qtype is None or tensor.ndim != 2:
+            return add(self, name, tensor, *args, **kwargs)
+        if qtype.name in ("Q4_K", "Q5_K", "Q6_K"):
+            kind = {"Q4_K": kquant.Q4_K, "Q5_K": kquant.Q5_K, "Q6_K": kquant.Q6_K}[qtype.name]
+            data = quantize(kind, tensor)
+        else:
+            data = gguf.quants.quantize(tensor, qtype)
+        return add(self, name, data, raw_dtype=qtype)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_tensor", add_quantized)
+        path = write_llama_gguf(hf, tmp_path_factory.mktemp("kquant-gguf") / "tk.gguf")
+    return path, tmp_path_factory.mktemp("kquant-gguf-cache")
+
+
+PROMPTS = [{"prompt_token_ids": [5, 9, 77, 120]}, {"prompt_token_ids": [200, 3]},
+           {"prompt_token_ids": list(range(30, 50))}]
+
+
+def test_tiny_kquant_model_batched_alone_cpp_and_python(kquant_gguf, monkeypatch):
+    from octavo.model import sources
+
+    path, root = kquant_gguf
+    cache_dir = sources.gguf_cache_dir  # conversions go to a throw-away folder
+    monkeypatch.setattr(sources, "gguf_cache_dir", lambda p: root / cache_dir(p).name)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for stack in ("1", "0"):
+        llm = LLM(str(path), quantization="gguf", num_kv_blocks=64, max_model_len=128,
+                  enable_prefix_caching=False, decode_stack=stack == "1")
+        model = llm.engine.executor.runner.model
+        assert (model.decode_stack is not None) == (stack == "1" and load_cpu_ops() is not None)
+        if model.decode_stack is not None:  # one kernel at every size: no row limit
+            assert model.decode_stack.max_rows() > SMALL_BATCH
+        formats = {m.fmt.name for m in model.modules() if isinstance(m, BlockQuantLinear)}
+        assert formats == {"q4_k", "q5_k", "q6_k"}
+        mixed = model.layers[1].self_attn.qkv_proj
+        assert type(mixed) is BlockConcat
+        assert [p.fmt.name for p in mixed.parts] == ["q4_k", "q4_k", "q6_k"]
+        batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params,
+                                                                use_tqdm=False)]
+        alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
+                 for p in PROMPTS]
+        assert batched == alone
+        assert all(len(t) == 12 for t in batched) and len({tuple(t) for t in batched}) > 1
+        assert llm.stats()["kv_blocks_used"] == 0
+        runs[stack] = batched
+        del llm
+    assert runs["1"] == runs["0"]

@@ -1,0 +1,138 @@
+"""The agent CLIs people point at local servers, against `octavo serve` on the embedded
+SmolLM2-135M-Instruct (the largest chat model octavo installs): Claude Code
+(`@anthropic-ai/claude-code`, ANTHROPIC_BASE_URL, print mode, /v1/messages) and Codex CLI
+(`@openai/codex`, a custom provider on /v1/responses), each given one short tool-using task.
+
+Only the protocol is judged: the CLI finishes without an API error and every request it made
+got a 2xx. A 135M model rarely decides to call the tool, so a tool round trip is checked only
+when the model made one (the CLI's own tool loop then sent the result back).
+
+Marked `agent_cli`. The CLIs come from npm into $OCTAVO_CACHE/agent-clis (the first run installs
+them: a few hundred MB). Skipped where node is missing or older than 18, where the npm registry
+cannot be reached, and under CI (`CI` set) unless they are installed already. Run them with
+`pytest -m agent_cli tests/server/test_agent_clis.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from octavo.bench.options import BenchOptions
+from octavo.bench.server_proc import ServerProcess
+from octavo.envs import cache_dir
+
+pytestmark = pytest.mark.agent_cli
+PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex"}
+MODEL = "smollm2"
+TASK = "Use your shell tool to run this command and tell me its output: cat note.txt"
+
+
+@pytest.fixture(scope="module")
+def clis() -> dict[str, Path]:
+    root = cache_dir() / "agent-clis"
+    bins = {name: root / "node_modules" / ".bin" / name for name in PACKAGES}
+    if all(b.exists() for b in bins.values()):
+        return bins
+    if os.environ.get("CI"):
+        pytest.skip("the agent CLIs are not installed and CI installs nothing from npm "
+                    f"(install them into {root} with npm to run these tests)")
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("node and npm are needed for the agent CLIs")
+    version = subprocess.run([node, "--version"], capture_output=True, text=True).stdout
+    major = re.match(r"v(\d+)", version)
+    if major is None or int(major.group(1)) < 18:
+        pytest.skip(f"node {version.strip()} is too old for the agent CLIs (18 or later)")
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(root),
+                               *PACKAGES.values()], capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.skip("npm install of the agent CLIs timed out (registry unreachable?)")
+    if done.returncode != 0 or not all(b.exists() for b in bins.values()):
+        pytest.skip(f"npm could not install the agent CLIs: {done.stderr[-500:]}")
+    return bins
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc = ServerProcess(BenchOptions(), log, ["--enable-auto-tool-choice", "--tool-call-parser",
+                                               "hermes", "--uvicorn-log-level", "info"],
+                         name=MODEL)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        assert proc.stop() == 0
+
+
+def requests_in(log: Path, path: str) -> list[int]:
+    """The statuses the server answered on `path` (uvicorn's access log)."""
+    return [int(m.group(1)) for m in re.finditer(
+        rf'"POST {re.escape(path)}(?:\?[^ ]*)? HTTP/1.1" (\d+)', log.read_text())]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "note.txt").write_text("the note says 42\n")
+    return tmp_path
+
+
+def test_claude_code(clis: dict[str, Path], server: ServerProcess, workdir: Path) -> None:
+    env = {**os.environ, "HOME": str(workdir), "ANTHROPIC_BASE_URL": server.url,
+           "ANTHROPIC_API_KEY": "unused", "ANTHROPIC_MODEL": MODEL,
+           "ANTHROPIC_SMALL_FAST_MODEL": MODEL, "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+           # the model's context is 8k tokens: Claude Code's own prompt is kept short
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "512"}
+    done = subprocess.run(
+        [str(clis["claude"]), "-p", TASK, "--model", MODEL, "--tools", "Bash",
+         "--allowedTools", "Bash", "--max-turns", "3", "--output-format", "json",
+         "--system-prompt", "You are a helpful assistant. Use the Bash tool to run commands."],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["is_error"] is False and result["subtype"] == "success", result
+    statuses = requests_in(server.log, "/v1/messages")
+    assert statuses and all(s == 200 for s in statuses), statuses
+    if result["num_turns"] > 1:  # the model called Bash: its result went back in a 2nd turn
+        assert len(statuses) >= 2
+
+
+def test_codex(clis: dict[str, Path], server: ServerProcess, workdir: Path) -> None:
+    home = workdir / "codex-home"
+    home.mkdir()
+    (home / "instructions.md").write_text("You are a coding agent. Run shell commands with "
+                                          "your exec_command tool. Be brief.\n")
+    (home / "config.toml").write_text(
+        f'model = "{MODEL}"\nmodel_provider = "octavo"\n'
+        # the model's context is 8k tokens: Codex's own instructions are longer
+        f'model_instructions_file = "{home / "instructions.md"}"\n\n'
+        f'[model_providers.octavo]\nname = "octavo"\nbase_url = "{server.url}/v1"\n'
+        'wire_api = "responses"\n')
+    env = {**os.environ, "HOME": str(workdir), "CODEX_HOME": str(home),
+           "OPENAI_API_KEY": "unused"}
+    done = subprocess.run(
+        [str(clis["codex"]), "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access",
+         "--json", TASK], cwd=workdir, env=env, capture_output=True, text=True, timeout=600,
+        stdin=subprocess.DEVNULL)
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    kinds = [e["type"] for e in events]
+    assert done.returncode == 0 and "turn.completed" in kinds, (kinds, done.stderr[-2000:])
+    assert "turn.failed" not in kinds and not any(
+        e["type"] == "error" and "error" in e.get("message", "") for e in events), events
+    statuses = requests_in(server.log, "/v1/responses")
+    assert statuses and all(s == 200 for s in statuses), statuses
+    commands = [e for e in events if e["type"] == "item.completed"
+                and e["item"].get("type") == "command_execution"]
+    if commands:  # the model ran the command: its output went back in the next request
+        assert len(statuses) >= 2
