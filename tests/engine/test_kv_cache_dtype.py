@@ -22,6 +22,7 @@ from octavo import LLM, SamplingParams
 from octavo.engine_args import EngineArgsError
 from octavo.model.layers.decoder import Attention
 from octavo.paging.block_hash import BlockHasher
+from octavo.sampling_params import BeamSearchParams
 from tests.conftest import build_tiny_llama
 from tests.engine.conftest import tokens_prompt
 
@@ -104,6 +105,32 @@ def test_forked_samples_copy_their_pages_with_the_scales(tiny_llama_dir, prompts
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[a] * 3 for a in alone]
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def test_int8_beam_search_forks_pages_alike_at_any_block_size_and_the_page_map_sees_them(
+        tiny_llama_dir, prompts):
+    """Beams fork copy-on-write and die mid-block: with int8 pages the beams found are the same
+    at block sizes 1 and 16, batched or alone; the page map of a run in flight reports them."""
+    params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+
+    def beams(llm: LLM, ps: list[list[int]]) -> list[list[list[int]]]:
+        outs = llm.beam_search([tokens_prompt(p) for p in ps], params)
+        assert llm.stats()["kv_blocks_used"] == 0
+        return [[s.tokens for s in o.sequences] for o in outs]
+
+    bs16 = LLM(str(tiny_llama_dir), kv_cache_dtype="int8", num_kv_blocks=128)
+    ref = beams(bs16, prompts[3:6])
+    bs1 = LLM(str(tiny_llama_dir), kv_cache_dtype="int8", block_size=1, num_kv_blocks=2048,
+              enable_prefix_caching=False)
+    assert [beams(bs1, [p])[0] for p in prompts[3:6]] == ref
+    bs16.engine.add_request("m", tokens_prompt(prompts[4]), GREEDY)
+    bs16.engine.step()
+    snap = bs16.engine.kv_map()
+    assert snap["stats"]["kv_cache_dtype"] == "int8"
+    assert snap["stats"]["kv_bytes_per_token"] == INT8_BYTES_PER_TOKEN
+    assert snap["device"]["counts"] and snap["num_requests"]["running"] == 1
+    bs16.engine.abort_request("m")
+    assert bs16.stats()["kv_blocks_used"] == 0
 
 
 def test_fp8_under_tensor_parallelism(tmp_path, prompts):
