@@ -100,10 +100,10 @@ def test_kvquant_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> No
             str(tmp_path)]
     assert bench_main(argv) == 0
     results = _files(tmp_path, "kvquant")["results"]
-    assert set(results["quality"]) == {"int8", "fp8_e4m3", "fp8_e5m2"}
-    assert results["quality"]["int8"]["positions"] == 20 * 128
+    assert set(results["quality"]) == {"int8", "fp8_e4m3"}
+    assert results["quality"]["int8"]["positions"] == 4 * 32
     assert results["quality"]["int8"]["kv_bytes_per_token"] < results["auto_kv_bytes_per_token"]
-    assert [r["kv_cache_dtype"] for r in results["speed"]] == ["auto", "int8", "fp8_e4m3"]
+    assert [r["kv_cache_dtype"] for r in results["speed"]] == ["auto", "int8"]
 
 
 def test_throughput_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
