@@ -30,6 +30,7 @@ from octavo.options import (
 
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -92,6 +93,12 @@ class EngineArgs:
         None, "host memory for swapped-out KV blocks, GiB (default with preemption_mode=swap: "
         "4, as vLLM, and at most as many blocks as the device has; else none)",
         check=_at_least(0))
+    kv_cache_dtype: str = _opt(
+        "auto", "how K/V are stored: auto (the model dtype), int8 (symmetric, an fp32 scale per "
+        "token and KV head in the page), fp8 / fp8_e4m3 / fp8_e5m2 (float8 with a scale per "
+        "layer and KV head: the checkpoint's k_scale/v_scale, else from a calibration prompt "
+        "at start-up); 8-bit pages hold about twice the tokens of bf16 ones",
+        choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of identical prompt prefixes")
     num_state_slots: int | None = _opt(
         None, "models with recurrent layers: state slots, one per running sequence plus those "

@@ -162,7 +162,7 @@ class LLM:
         )
         return list(ids)
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | str]:
         return self.engine.stats()
 
     def shutdown(self) -> None:

@@ -40,6 +40,7 @@ BENCHMARKS = {
     "router": "octavo.bench.router",
     "gpu": "octavo.bench.gpu",
     "quant": "octavo.bench.quant",
+    "kvquant": "octavo.bench.kv_quant",
     "kquant": "octavo.bench.kquant",
     "kv_tier": "octavo.bench.kv_tier",
     "hybrid": "octavo.bench.hybrid",

@@ -10,6 +10,13 @@ is why the full run also runs the real engine).
 
 Full runs confirm on the engine with the embedded model at a small KV budget, using
 LLM(kv_allocator=..., kv_cache_memory_bytes=...) and stats()["peak_running_seqs"].
+
+KV dtypes (kv_cache_dtype): at one byte budget (KV_DTYPE_BF16_TOKENS tokens of bf16 pages), how
+many tokens the paged cache holds and how many sequences run with pages in fp32, bf16, int8
+(scales included) and fp8: simulated on the same trace as above, and on the engine (full
+runs). An engine whose CPU does not compute bf16 (dtype_policy.py) cannot store bf16 pages;
+its bf16 row runs fp32 pages cut into the block count bf16 pages would get at that budget,
+which is all the scheduler sees, and says so.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ from octavo.bench.waste import KV_TOKENS, WINDOW
 ENGINE_KV_TOKENS = 2048
 ENGINE_MAX_MODEL_LEN = 512
 GOAL = 4.0
+KV_DTYPE_BF16_TOKENS = 8192  # the simulated byte budget, in tokens of bf16 pages
+KV_DTYPES = ("float32", "bfloat16", "int8", "fp8_e4m3")
+KV_DTYPE_GOALS = {"bfloat16": 1.85, "float32": 3.7}  # quantized rows against these
 
 
 def kv_bytes_per_token(model: str | None, dtype: str) -> int:
@@ -37,6 +47,112 @@ def kv_bytes_per_token(model: str | None, dtype: str) -> int:
 
     cfg = ModelConfig.from_dir(resolve_model_dir(model))
     return cfg.kv_bytes_per_token(2 if dtype in ("bfloat16", "float16") else 4)
+
+
+def kv_dtype_bytes_per_token(model: str | None, kv_dtype: str) -> int:
+    """Bytes a token's K and V take in every layer with pages of `kv_dtype` (float32 / bfloat16:
+    the model dtype's pages; int8 / fp8_*: kv_cache_dtype, scales included)."""
+    import torch
+
+    from octavo.config import ModelConfig
+    from octavo.model.layers.kv_cache import KVCache
+    from octavo.model.layers.kv_quant import kv_format
+    from octavo.model.sources import resolve_model_dir
+
+    cfg = ModelConfig.from_dir(resolve_model_dir(model))
+    plain = kv_dtype in ("float32", "bfloat16")
+    dtype = getattr(torch, kv_dtype) if plain else torch.float32
+    fmt = kv_format("auto" if plain else kv_dtype, dtype)
+    return KVCache.bytes_per_block(cfg, 1, dtype, fmt)
+
+
+def kv_dtype_sims(opts: BenchOptions, wl: workloads.Workload) -> dict[str, dict]:
+    """Paged, the same trace, one byte budget: each KV dtype's tokens and running sequences."""
+    budget = KV_DTYPE_BF16_TOKENS * kv_dtype_bytes_per_token(opts.model, "bfloat16")
+    out = {}
+    for name in KV_DTYPES:
+        per_token = kv_dtype_bytes_per_token(opts.model, name)
+        tokens = budget // per_token // 16 * 16
+        sim = simulate(wl, "paged", kv_tokens=tokens, block_size=16, seed=opts.seed)
+        out[name] = {"kv_bytes": budget, "kv_bytes_per_token": per_token, "kv_tokens": tokens,
+                     "loaded_running": sim.loaded_running, "peak_running": sim.peak_running,
+                     "preemptions": sim.preemptions}
+    return out
+
+
+def kv_dtype_engine_runs(opts: BenchOptions) -> list[dict]:
+    """The engine at one kv_cache_memory_bytes (ENGINE_KV_TOKENS tokens of bf16 pages)."""
+    from octavo.bench.engine_run import effective_dtype
+
+    wl = engine_trace(opts)
+    budget = ENGINE_KV_TOKENS * kv_dtype_bytes_per_token(opts.model, "bfloat16")
+    rows = []
+    for name in KV_DTYPES:
+        options: dict = {"kv_cache_memory_bytes": budget, "dtype": "float32"}
+        note = ""
+        if name == "bfloat16":
+            if effective_dtype(opts.model, "bfloat16", opts.engine_overrides) == "bfloat16":
+                options["dtype"] = "bfloat16"
+            else:  # the block count bf16 pages get; the scheduler sees nothing else
+                blocks = budget // (16 * kv_dtype_bytes_per_token(opts.model, "bfloat16"))
+                options = {"num_kv_blocks": blocks, "dtype": "float32"}
+                note = "bf16 block count, fp32 pages (no native bf16 here)"
+        elif name != "float32":
+            options["kv_cache_dtype"] = name
+        llm = make_llm(opts.model, overrides=opts.engine_overrides,
+                       max_model_len=ENGINE_MAX_MODEL_LEN, **options)
+        run = run_workload(llm, wl, sample=lambda s: {
+            "running": s["num_requests_running"], "waiting": s["num_requests_waiting"]})
+        loaded = [s["running"] for s in run.samples if s["waiting"] > 0]
+        rows.append({
+            "kv_dtype": name, "note": note, "kv_cache_memory_bytes": budget,
+            "kv_tokens": run.final_stats["kv_blocks_total"] * 16,
+            "kv_bytes_per_token": kv_dtype_bytes_per_token(opts.model, name),
+            "peak_running_seqs": run.final_stats["peak_running_seqs"],
+            "mean_running_while_queued": sum(loaded) / max(len(loaded), 1),
+            "output_tok_s": run.output_tok_s, "preemptions": run.final_stats["num_preemptions"],
+            "trace": wl.describe(),
+        })
+        del llm
+    return rows
+
+
+def kv_dtype_markdown(sims: dict[str, dict], engine: list[dict]) -> list[str]:
+    def ratios(value: float, base: dict[str, float]) -> str:
+        return ", ".join(f"{value / base[b]:.2f}x {b} (goal {g}x: "
+                         f"{'met' if value / base[b] >= g else 'NOT met'})"
+                         for b, g in KV_DTYPE_GOALS.items())
+
+    first = next(iter(sims.values()))
+    md = ["", f"KV dtypes, simulated (paged, block size 16, the trace above), at one budget of "
+          f"{first['kv_bytes']} bytes ({KV_DTYPE_BF16_TOKENS} tokens of bf16 pages):", ""]
+    tok = {n: r["kv_tokens"] for n, r in sims.items()}
+    run = {n: r["loaded_running"] for n, r in sims.items()}
+    md.append(md_table(["pages", "bytes/token", "KV tokens", "running (queued)", "peak running",
+                        "KV tokens vs", "running vs"],
+                       [[n, r["kv_bytes_per_token"], r["kv_tokens"], r["loaded_running"],
+                         r["peak_running"], ratios(r["kv_tokens"], tok) if n in
+                         ("int8", "fp8_e4m3") else "",
+                         ratios(r["loaded_running"], run) if n in ("int8", "fp8_e4m3") else ""]
+                        for n, r in sims.items()]))
+    if engine:
+        tok = {r["kv_dtype"]: r["kv_tokens"] for r in engine}
+        run = {r["kv_dtype"]: r["mean_running_while_queued"] for r in engine}
+        md += ["", f"KV dtypes on the engine, one kv_cache_memory_bytes "
+               f"({engine[0]['kv_cache_memory_bytes']} bytes = {ENGINE_KV_TOKENS} tokens of bf16 "
+               f"pages), trace {engine[0]['trace']}:", "",
+               md_table(["pages", "bytes/token", "KV tokens", "peak running",
+                         "running (queued)", "out tok/s", "preemptions", "KV tokens vs",
+                         "running vs", "note"],
+                        [[r["kv_dtype"], r["kv_bytes_per_token"], r["kv_tokens"],
+                          r["peak_running_seqs"], r["mean_running_while_queued"],
+                          r["output_tok_s"], r["preemptions"],
+                          ratios(r["kv_tokens"], tok) if r["kv_dtype"] in ("int8", "fp8_e4m3")
+                          else "",
+                          ratios(r["mean_running_while_queued"], run)
+                          if r["kv_dtype"] in ("int8", "fp8_e4m3") else "", r["note"]]
+                         for r in engine])]
+    return md
 
 
 def engine_trace(opts: BenchOptions) -> workloads.Workload:
@@ -112,9 +228,12 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         " the concurrency of full-attention paging on the same budget, each sequence holding "
         f"at most {sims[f'paged window={WINDOW}']['max_seq_slots']} slots.",
     ]
+    kv_sims = kv_dtype_sims(opts, wl)
     engine_rows: list[dict] = []
+    kv_engine: list[dict] = []
     if not opts.quick:
         engine_rows = engine_runs(opts)
+        kv_engine = kv_dtype_engine_runs(opts)
         b = next(r for r in engine_rows if r["allocator"] == "contiguous-max")
         md += [
             "",
@@ -131,7 +250,9 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                  r["req_s"], r["req_s"] / b["req_s"], r["preemptions"]]
                 for r in engine_rows]),
         ]
+    md += kv_dtype_markdown(kv_sims, kv_engine)
     results = {"simulated": sims, "engine": engine_rows,
+               "kv_dtypes_simulated": kv_sims, "kv_dtypes_engine": kv_engine,
                "paged_vs_contiguous_max": ratio,
                "median_engine_req_s": median([r["req_s"] for r in engine_rows])}
     config = {"kv_tokens": KV_TOKENS, "block_size": 16, "trace": wl.describe(), "window": WINDOW,

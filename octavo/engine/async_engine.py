@@ -189,7 +189,8 @@ class AsyncLLMEngine:
         args = engine.args
         cache = {
             "block_size": args.block_size,
-            "cache_dtype": args.dtype,
+            # how K/V are stored: the model dtype's name for auto, else int8 / fp8_e4m3 / ...
+            "cache_dtype": engine.stats().get("kv_cache_dtype", args.kv_cache_dtype),
             "enable_prefix_caching": args.enable_prefix_caching,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "num_gpu_blocks": engine.kv.num_blocks,
@@ -214,7 +215,7 @@ class AsyncLLMEngine:
         # engine-thread side; read (never written) by the loop: plain values, atomic under GIL
         self._streams: dict[str, RequestStream] = {}
         self._last_token_time: dict[str, float | None] = {}
-        self._stats: dict[str, int | float] = engine.stats()
+        self._stats: dict[str, int | float | str] = engine.stats()
         self._num_waiting = 0
 
     # ---- lifecycle (event loop) -----------------------------------------------------------
@@ -315,7 +316,7 @@ class AsyncLLMEngine:
         """Requests not yet scheduled: the scheduler's waiting queue plus adds in transit."""
         return self._num_waiting + self._pending_adds
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | str]:
         """engine.stats() as of the end of the engine thread's last iteration."""
         return self._stats
 

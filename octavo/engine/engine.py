@@ -61,12 +61,13 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(args, self.model_config, blocks.num_blocks)
         self.executor.init_kv_cache(blocks.num_blocks, blocks.num_host_blocks)
         path = self.executor.kernel_path()
-        # the weights in memory (per rank under TP), what quantization saved, and the KV
-        # cache's bytes per token
-        self.weight_stats = {k: path.get(k, 0) for k in ("weights_bytes",
+        # the weights in memory (per rank under TP) and what quantization saved; how K/V are
+        # stored and what a token of them (and a recurrent layer's state slot) takes
+        self.model_stats = {k: path.get(k, 0) for k in ("weights_bytes",
                                                          "quantization_saved_bytes",
                                                          "kv_bytes_per_token",
                                                          "state_bytes_per_slot")}
+        self.model_stats["kv_cache_dtype"] = path.get("kv_cache_dtype", args.kv_cache_dtype)
         self.tier = None
         if args.kv_offload_dir is not None or args.kv_offload_url is not None:
             fp = fingerprint(args, self.model_dir, self.model_config, path["dtype"],
@@ -77,7 +78,9 @@ class LLMEngine:
         if self.executor.drafter is not None:
             self.scheduler.set_draft_token_share(self.executor.drafter.share)
         caching = args.enable_prefix_caching and args.kv_allocator == "paged"
-        hasher = BlockHasher(args.block_size) if caching else None
+        # a quantized cache's pages hash apart from model-dtype ones (block_hash.py)
+        seed = None if args.kv_cache_dtype == "auto" else path.get("kv_cache_dtype")
+        hasher = BlockHasher(args.block_size, seed) if caching else None
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config,
                                               self.max_model_len, hasher, self.structured)
@@ -190,8 +193,8 @@ class LLMEngine:
         """The kernels the model runs on (rank 0's, under tensor parallelism)."""
         return self.executor.kernel_path()
 
-    def stats(self) -> dict[str, int | float]:
-        return {**self.kv.stats(), **self.scheduler.stats(), **self.weight_stats}
+    def stats(self) -> dict[str, int | float | str]:
+        return {**self.kv.stats(), **self.scheduler.stats(), **self.model_stats}
 
     def kv_map(self, contiguous: str | None = "request", block_tables: bool = False) -> dict:
         """The page map now: every block's state, the requests, stats() and the contiguous

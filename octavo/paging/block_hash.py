@@ -6,6 +6,12 @@ equal prefixes, not just equal blocks. The digest is 128-bit blake2b over a fixe
 collisions vanishingly rare; the block pool still verifies token ids, extra key and parent
 identity on every hit, so even a colliding digest can never hand out the wrong KV (except at
 the first block of a sliding-window hit where every layer slides: see kv_manager.py).
+
+A hasher's `seed` names what the blocks hold beyond their tokens, the KV cache's storage format
+(`kv_cache_dtype`): it replaces the all-zero parent of a sequence's first block, so every hash
+of the chain differs between formats, and an int8 page is never found under a key of a
+model-dtype page (or the other way round) by anything that shares hashes between engines.
+None (the model dtype) keeps the hashes as they always were.
 """
 
 from __future__ import annotations
@@ -33,12 +39,15 @@ class BlockHasher:
     """Extends a sequence's list of block hashes as its tokens fill blocks: each full block is
     hashed once, when it fills, never again on later admission attempts or steps."""
 
-    __slots__ = ("block_size",)
+    __slots__ = ("block_size", "root")
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, seed: str | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        # the parent of a sequence's first block
+        self.root = ROOT_PARENT if seed is None else hashlib.blake2b(
+            seed.encode(), digest_size=DIGEST_SIZE).digest()
 
     def extend(
         self, block_hashes: list[bytes], token_ids: Sequence[int], extra_key: Hashable | None
@@ -46,7 +55,7 @@ class BlockHasher:
         bs = self.block_size
         n = len(block_hashes)
         while (n + 1) * bs <= len(token_ids):
-            parent = block_hashes[n - 1] if n else None
+            parent = block_hashes[n - 1] if n else self.root
             block_hashes.append(hash_block_tokens(parent, token_ids[n * bs : (n + 1) * bs],
                                                   extra_key))
             n += 1

@@ -163,7 +163,7 @@ class KVMapSnapshot(BaseModel):
                                          "waiting queue")
     num_requests: dict[str, int]
     contiguous: KVMapContiguous | None = None
-    stats: dict[str, float]
+    stats: dict[str, float | str]
     latency: dict[str, float | None]
     cost: dict[str, float] = Field(description="what the page map has cost so far: snapshots "
                                    "built, engine-thread seconds building them, event-loop "

@@ -73,6 +73,9 @@ OCTAVO_GAUGES = (
      "Most KV blocks one sequence holds in one sliding-window layer group."),
     ("kv_slots_out_of_window", "kv_slots_out_of_window",
      "Held slots whose tokens left every sliding window (counted as internal waste)."),
+    ("kv_cache_bytes_per_token", "kv_bytes_per_token",
+     "Bytes one token's K and V take in every layer, in the KV cache's dtype (scales "
+     "included)."),
 )
 # counters: (name without _total, stats() key, help)
 VLLM_COUNTERS = (
@@ -137,7 +140,7 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
 class EngineStatsCollector(Collector):
     """Reads the engine's stats() snapshot on each scrape."""
 
-    def __init__(self, stats: Callable[[], dict[str, int | float]], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], dict[str, int | float | str]], model_name: str) -> None:
         self.stats = stats
         self.labels = [model_name, ENGINE_INDEX]
 
@@ -196,7 +199,7 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """The app's registry and the per-request histograms (an OutputObserver)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, int | float]], *,
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, int | float | str]], *,
                  max_model_len: int, cache_config: Mapping[str, object]) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name

@@ -95,6 +95,17 @@ def test_model_benchmarks_quick_on_tiny_model(name: str, tiny_llama_dir: Path,
                    for r in results)
 
 
+def test_kvquant_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    argv = ["kvquant", "--quick", "--threads", "1", "--model", str(tiny_llama_dir), "--out",
+            str(tmp_path)]
+    assert bench_main(argv) == 0
+    results = _files(tmp_path, "kvquant")["results"]
+    assert set(results["quality"]) == {"int8", "fp8_e4m3"}
+    assert results["quality"]["int8"]["positions"] == 4 * 32
+    assert results["quality"]["int8"]["kv_bytes_per_token"] < results["auto_kv_bytes_per_token"]
+    assert [r["kv_cache_dtype"] for r in results["speed"]] == ["auto", "int8"]
+
+
 def test_throughput_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
     argv = ["throughput", "--quick", "--threads", "1", "--dtype", "auto", "--model",
             str(tiny_llama_dir), "--out", str(tmp_path)]

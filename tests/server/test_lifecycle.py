@@ -123,8 +123,11 @@ def test_metric_names(tiny_server: RunningServer) -> None:
     for name in ("kv_blocks_used", "kv_blocks_cached_free", "kv_blocks_total",
                  "kv_slots_internal_waste", "kv_slots_reserved_waste",
                  "kv_slots_external_waste", "num_requests_swapped", "kv_sliding_blocks_held_max",
-                 "kv_slots_out_of_window", "kv_blocks_freed_out_of_window_total"):
+                 "kv_slots_out_of_window", "kv_blocks_freed_out_of_window_total",
+                 "kv_cache_bytes_per_token"):
         assert f"octavo:{name}" in m, name
+    assert 'cache_dtype="float32"' in httpx.get(f"{tiny_server.url}/metrics").text
+    assert m["octavo:kv_cache_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # the tiny model, fp32
     assert m["octavo:kv_blocks_total"] == 2048
     assert m["vllm:e2e_request_latency_seconds_count"] >= 1
     assert m["vllm:generation_tokens_total"] >= 3

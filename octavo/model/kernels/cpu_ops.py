@@ -2,6 +2,8 @@
 
 - `paged_decode`: paged attention for single-token decodes, reading K/V in place.
 - `paged_prefill`: paged attention for every prefill chunk of a step in one call.
+- `kv_write`: the KV write into int8 / fp8 pages, quantized per token (kv_quant.py); both
+  attention kernels read such pages in place (kv_rows.h).
 - `rms_norm`, `add_rms_norm_`: RMSNorm, and the residual add fused with the next RMSNorm.
 - `rope_`: rotary embedding of q and k, in place in the fused qkv buffer.
 - `silu_and_mul`: SwiGLU's silu(gate) * up from the fused gate_up buffer.
@@ -42,7 +44,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
            "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp", "int8_gemv.cpp",
-           "packed_gemv.cpp", "kquant_linear.cpp", "recurrent_step.cpp")
+           "packed_gemv.cpp", "kquant_linear.cpp", "recurrent_step.cpp", "kv_write.cpp")
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from octavo.config import ModelConfig
 from octavo.model.layers.attention.base import AttentionBackend
+from octavo.model.layers.kv_quant import KVQuant
 
 
 class RMSNorm(nn.Module):
@@ -172,6 +173,8 @@ class Attention(nn.Module):
         self.window: int | None = None
         self.softcap: float | None = None
         self.rope = True  # False: no rotary embedding on this layer (SmolLM3's NoPE layers)
+        # quantized KV pages (kv_quant.py), set by the runner with the cache; None: model dtype
+        self.kv_quant: KVQuant | None = None
         self.ops: Any = None  # compiled CPU ops, when enabled
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
@@ -194,7 +197,10 @@ class Attention(nn.Module):
         if self.ops is None and self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.window is None and self.softcap is None:
+        if self.kv_quant is not None:
+            o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale,
+                                window=self.window, softcap=self.softcap, kv=self.kv_quant)
+        elif self.window is None and self.softcap is None:
             o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         else:
             o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale,

@@ -15,6 +15,10 @@ they left the window.
 
 The cache is zero-initialised: attention reads whole blocks and masks the unfilled tail, and
 0 * garbage could be NaN.
+
+With a quantized `kv_cache_dtype` (kv_quant.py) the tensor holds the stored rows: int8 values
+with each row's fp32 scale in its last 4 bytes (head_dim + 4 int8 elements per row), or fp8
+values; everything above (blocks, copies, swaps) is the same.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 
 from octavo.config import ModelConfig
+from octavo.model.layers.kv_quant import KVFormat
 
 
 class KVCache:
@@ -36,13 +41,21 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         num_host_blocks: int = 0,
+        fmt: KVFormat | None = None,
+        scales_id: str = "",
     ) -> None:
+        """`scales_id`: names the per-layer scales an fp8 cache's values were divided by (a
+        digest of them), for `block_format`: the same bytes under other scales are other
+        values."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.groups = groups = config.kv_groups
+        self.fmt = fmt = fmt or KVFormat("auto", dtype)
+        self.scales_id = scales_id
+        dtype = fmt.dtype
         rows = num_blocks + 1 if groups.has_window else num_blocks
         shape = (groups.slots_per_group, 2, rows, block_size, config.num_kv_heads,
-                 config.head_dim)
+                 fmt.row_elems(config.head_dim))
         self.device_cache = torch.zeros(shape, dtype=dtype, device=device)
         host_shape = (*shape[:2], num_host_blocks, *shape[3:])
         self.null_block_id = num_blocks
@@ -82,10 +95,15 @@ class KVCache:
 
     # -- one block as bytes (the KV tier's only door into the cache) ----------------------------
     def block_format(self) -> str:
-        """What the bytes of one block are: dtype and shape, the KV tier's records are only
-        read back into a cache of the same format (it is part of the tier's fingerprint)."""
+        """What the bytes of one block are: dtype and shape (and a quantized format's name, with
+        fp8's scales), the KV tier's records are only read back into a cache of the same format
+        (it is part of the tier's fingerprint). An int8 block carries its rows' scales."""
         shape = [d for i, d in enumerate(self.device_cache.shape) if i != 2]
-        return f"{str(self.device_cache.dtype).removeprefix('torch.')}{shape}"
+        plain = f"{str(self.device_cache.dtype).removeprefix('torch.')}{shape}"
+        if not self.fmt.quantized:
+            return plain
+        scales = f" scales {self.scales_id}" if self.scales_id else ""
+        return f"{self.fmt.name} pages{scales}: {plain}"
 
     @property
     def block_nbytes(self) -> int:
@@ -115,6 +133,9 @@ class KVCache:
         return t[:, 0], t[:, 1]
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return config.kv_bytes_per_slot(elem) * block_size
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                        fmt: KVFormat | None = None) -> int:
+        """One block's K and V in every layer slot, in the stored format (int8: scales too)."""
+        fmt = fmt or KVFormat("auto", dtype)
+        rows = 2 * config.kv_groups.slots_per_group * config.num_kv_heads
+        return rows * fmt.row_bytes(config.head_dim) * block_size

@@ -35,6 +35,7 @@ from octavo.config import ModelConfig
 from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
 from octavo.model.layers.decoder import RotaryEmbedding, apply_rope
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.kv_quant import KVQuant
 from octavo.model.layers.weights import Value, cat
 from octavo.model.models.checkpoint import CheckpointLoader
 from octavo.model.models.gemma import ACTIVATIONS, GemmaMLP
@@ -62,6 +63,8 @@ class Gemma4Attention(nn.Module):
     def __init__(self, config: ModelConfig, window: int | None, owns_kv: bool,
                  k_eq_v: bool) -> None:
         super().__init__()
+        # quantized KV pages (kv_quant.py), set by the runner with the cache; None: model dtype
+        self.kv_quant: KVQuant | None = None
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = hd = config.head_dim
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
@@ -92,7 +95,8 @@ class Gemma4Attention(nn.Module):
         else:
             assert shared_kv is not None
             k, v = shared_kv
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, 1.0, window=self.window)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, 1.0, window=self.window,
+                            kv=self.kv_quant)
         return self.o_proj(o.reshape(-1, self.q_size)), (k, v)
 
 

@@ -27,6 +27,7 @@ from octavo.config import ModelConfig
 from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
 from octavo.model.layers.decoder import RotaryEmbedding
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.kv_quant import KVQuant
 from octavo.model.layers.linear import PackedLinear
 from octavo.model.layers.recurrent.conv import conv_chunk, conv_decode
 from octavo.model.layers.recurrent.ssd import chunk_ssd, ssd_decode
@@ -166,6 +167,8 @@ class PlainAttention(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        # quantized KV pages (kv_quant.py), set by the runner with the cache; None: model dtype
+        self.kv_quant: KVQuant | None = None
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = hd = config.head_dim
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
@@ -179,7 +182,7 @@ class PlainAttention(nn.Module):
         o = backend.forward(q.reshape(-1, self.num_heads, self.head_dim),
                             k.reshape(-1, self.num_kv_heads, self.head_dim),
                             v.reshape(-1, self.num_kv_heads, self.head_dim),
-                            k_cache, v_cache, meta, self.scale)
+                            k_cache, v_cache, meta, self.scale, kv=self.kv_quant)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

@@ -30,6 +30,7 @@ from octavo.config import ModelConfig
 from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
 from octavo.model.layers.decoder import MLP, RotaryEmbedding, apply_rope
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.kv_quant import KVQuant
 from octavo.model.layers.linear import PackedLinear
 from octavo.model.layers.recurrent.conv import conv_chunk, conv_decode
 from octavo.model.layers.recurrent.gated_delta import chunk_gated_delta, gated_delta_decode
@@ -155,6 +156,8 @@ class GatedAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, rotary_dim: int) -> None:
         super().__init__()
+        # quantized KV pages (kv_quant.py), set by the runner with the cache; None: model dtype
+        self.kv_quant: KVQuant | None = None
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = hd = config.head_dim
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
@@ -180,7 +183,7 @@ class GatedAttention(nn.Module):
         q = self._rope(self.q_norm(q), cos, sin)
         k = self._rope(self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, kv=self.kv_quant)
         o = o.reshape(-1, self.q_size) * torch.sigmoid(gate.reshape(-1, self.q_size))
         return self.o_proj(o)
 

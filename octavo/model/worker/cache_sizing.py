@@ -32,6 +32,7 @@ import torch
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.kv_quant import KVFormat
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +87,14 @@ def size_kv_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
                    extra_block_bytes: int = 0,
                    activation_peak: Callable[[], int] | None = None,
                    graph_pool: Callable[[], int] | None = None,
-                   state_slot_bytes: int = 0) -> KVBlockCounts:
+                   state_slot_bytes: int = 0, fmt: KVFormat | None = None) -> KVBlockCounts:
     """`extra_block_bytes`: what each block costs beyond the target's K/V (a draft model's
     cache, which has the same blocks); `activation_peak` and `graph_pool` (None: no graphs):
     the profile runs, called only where the budget comes from gpu_memory_utilization;
-    `state_slot_bytes`: one state slot of the recurrent layers (0: a model without them)."""
-    block_bytes = KVCache.bytes_per_block(config, args.block_size, dtype) + extra_block_bytes
+    `state_slot_bytes`: one state slot of the recurrent layers (0: a model without them);
+    `fmt`: how K/V are stored (kv_cache_dtype: the bytes of a token in that format, an int8
+    row's scale included; None: the model dtype)."""
+    block_bytes = KVCache.bytes_per_block(config, args.block_size, dtype, fmt) + extra_block_bytes
     slots = state_slot_count(args) if state_slot_bytes else 0
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks

@@ -10,7 +10,9 @@ SmolLM2, ...) on CPU with octavo's compiled ops and paged-decode kernel, whateve
 layers are (oneDNN-packed fp32/bf16, int8, 4/8-bit blocks, GGUF K-quant super-blocks, plain);
 any other layer (Qwen3's q/k norms, Gemma's, MoE, sliding windows, soft caps, SmolLM3's layers
 without RoPE), tensor parallelism or a hook on a module keeps the Python path. The engine option
-`decode_stack=False` turns it off (the benchmarks' A/B).
+`decode_stack=False` turns it off (the benchmarks' A/B). Quantized KV pages (kv_cache_dtype)
+run here too: the loop writes them with `kv_write` and reads them in `paged_decode`, as the CPU
+attention backend does.
 """
 
 from __future__ import annotations
@@ -108,5 +110,8 @@ def build_decode_stack(model: nn.Module, backend: Any, kv_groups: Any,
                         kv_groups.layer_slot[i],
                         *(_linear_spec(m) for m in (attn.qkv_proj, attn.o_proj,
                                                     mlp.gate_up_proj, mlp.down_proj)))
+    quant = [layer.self_attn.kv_quant for layer in model.layers]
+    if quant[0] is not None and quant[0].fmt.is_fp8:  # int8 pages carry their scales
+        stack.set_kv_scales([q.k_scale for q in quant], [q.v_scale for q in quant])
     logger.info("decode steps run their %d layers in one C++ loop", stack.num_layers())
     return stack

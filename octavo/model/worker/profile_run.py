@@ -34,8 +34,8 @@ from octavo.model.layers.kv_cache import KVCache
 logger = logging.getLogger(__name__)
 
 
-def _prefill_meta(lens: list[int], per_seq: int, block_size: int,
-                  device: torch.device) -> AttentionMetadata:
+def prefill_meta(lens: list[int], per_seq: int, block_size: int,
+                 device: torch.device) -> AttentionMetadata:
     """Sequence i's prompt from position 0 in blocks i * per_seq ... (i + 1) * per_seq - 1."""
     prefills, slots, row = [], [], 0
     for i, n in enumerate(lens):
@@ -101,7 +101,7 @@ def activation_peak(model: nn.Module, backend: AttentionBackend, args: EngineArg
 
     def inputs() -> Callable[[], None]:  # built before measuring; freed with the step
         cache = KVCache(config, per_seq * len(lens), bs, dtype, device)
-        metas = [_prefill_meta(lens, per_seq, bs, device) for _ in config.kv_groups.windows]
+        metas = [prefill_meta(lens, per_seq, bs, device) for _ in config.kv_groups.windows]
         ids = torch.zeros(tokens, dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(n, device=device) for n in lens])
         rows = torch.arange(tokens, device=device)  # prompt logprobs: every token's logits

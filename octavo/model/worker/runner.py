@@ -9,6 +9,7 @@ fit, `init_kv_cache(n)` allocates them.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from octavo.model.dtype_policy import DTYPES
 from octavo.model.kernel_config import resolve_kernel_config
 from octavo.model.layers.attention import get_backend
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.kv_quant import KVFormat, KVQuant, kv_format
 from octavo.model.layers.linear import PackedLinear
 from octavo.model.layers.recurrent.state import StateCache
 from octavo.model.loader import load_model
@@ -39,6 +41,11 @@ from octavo.model.worker.cuda_graphs import DecodeGraphs, batch_buckets, graphs_
 from octavo.model.worker.decode_stack import build_decode_stack
 from octavo.model.worker.device import bind_device
 from octavo.model.worker.input_batch import InputBatch
+from octavo.model.worker.kv_calibration import (
+    calibrate_kv_scales,
+    calibration_token_ids,
+    checkpoint_kv_scales,
+)
 from octavo.model.worker.profile_run import activation_peak, graph_pool_peak
 from octavo.model.worker.sampling_rows import SamplingRows, grammar_rows, sampling_rows
 from octavo.step_plan import RunnerOutput, StepPlan
@@ -73,6 +80,7 @@ class ModelRunner:
     def __init__(self, args: EngineArgs, model_dir: Path, config: ModelConfig,
                  tp: TPGroup | None = None) -> None:
         self.args = args
+        self.model_dir = model_dir
         self.config = config
         self.tp = tp
         # what this rank's layers and KV cache hold (its heads and MLP units under TP)
@@ -85,6 +93,8 @@ class ModelRunner:
         isa = self.kernels.isa
         self.isa = isa or "none"
         self.dtype = self.dtype_choice.dtype
+        # how K/V are stored (kv_cache_dtype; kv_quant.py)
+        self.kv_format: KVFormat = kv_format(args.kv_cache_dtype, self.dtype)
         self.block_size = args.block_size
         torch.manual_seed(args.seed)
         max_positions = args.max_model_len or config.max_position_embeddings
@@ -161,18 +171,25 @@ class ModelRunner:
                 "decode_loop": "c++" if self.model.decode_stack is not None else "python",
                 "cuda_graphs": "off" if self.graphs is None else
                 f"decode batches <= {self.graphs.buckets[-1]}",
-                **self.weights_report()}
+                **self.kv_report(), **self.weights_report()}
+
+    def kv_report(self) -> dict[str, int | str]:
+        """How K/V are stored: the dtype, and the bytes one token takes in every layer that
+        owns KV pages (K and V, scales included, this rank's heads; shared-KV, recurrent and
+        MLP-only layers add nothing)."""
+        name, cfg = self.kv_format.name, self.local_config
+        row = self.kv_format.row_bytes(cfg.head_dim)
+        return {"kv_cache_dtype": str(self.dtype).removeprefix("torch.") if name == "auto"
+                else name,
+                "kv_bytes_per_token": 2 * cfg.num_kv_layers * cfg.num_kv_heads * row}
 
     def weights_report(self) -> dict[str, int | str]:
-        """The weights' bytes in memory, and what quantization saved (0 without); the KV
-        cache's bytes per token (the layers that own KV pages only) and, for a model with
-        recurrent layers, the bytes of one sequence's state slot (whatever its length)."""
+        """The weights' bytes in memory, and what quantization saved (0 without); for a model
+        with recurrent layers, the bytes of one sequence's state slot (whatever its length)."""
         report = self.model.quant_report
-        elem = torch.empty((), dtype=self.dtype).element_size()
         return {"quantization": report.method if report is not None else "none",
                 "weights_bytes": weight_bytes(self.model),
                 "quantization_saved_bytes": report.saved_bytes if report is not None else 0,
-                "kv_bytes_per_token": self.local_config.kv_bytes_per_token(elem),
                 "state_bytes_per_slot": (StateCache.bytes_per_slot(self.state_shapes)
                                          if self.state_shapes else 0)}
 
@@ -188,7 +205,7 @@ class ModelRunner:
                                         activation_peak=self.profile_run,
                                         graph_pool=self.graph_pool_run
                                         if self._wants_cuda_graphs() else None,
-                                        state_slot_bytes=state)
+                                        state_slot_bytes=state, fmt=self.kv_format)
         return self.kv_counts
 
     def profile_run(self) -> int:
@@ -204,12 +221,19 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The KV cache, and the recurrent layers' state slots as size_kv_blocks sized them."""
+        scales_id = self._quantize_kv() if self.kv_format.quantized else ""
         self.kv_cache = KVCache(self.local_config, num_blocks, self.block_size, self.dtype,
-                                self.device, num_host_blocks)
+                                self.device, num_host_blocks, self.kv_format, scales_id)
         if self.state_shapes is not None:
             counts = self.kv_counts or self.size_kv_blocks()
             self.kv_cache.state = StateCache(self.state_shapes, counts.num_state_slots,
                                              self.device, counts.num_host_state_slots)
+        report = self.kv_report()
+        logger.info("KV cache: %d blocks of %d tokens, %s, %d bytes per token (%.1f MiB)",
+                    num_blocks, self.block_size, report["kv_cache_dtype"],
+                    report["kv_bytes_per_token"],
+                    self.kv_cache.device_cache.numel() * self.kv_cache.device_cache.element_size()
+                    / 2**20)
         if self.backend.name == "triton":
             from octavo.model.kernels.triton.cache_ops import copy_blocks
 
@@ -225,6 +249,42 @@ class ModelRunner:
                                        self.args.max_num_seqs, self.max_positions,
                                        self.config.kv_groups.windows)
             self.graphs.capture_all()
+
+    def _quantize_kv(self) -> str:
+        """Every attention layer writes and reads quantized pages from now on; fp8 layers get
+        their scales from the checkpoint or a calibration prompt (kv_calibration.py). Returns
+        a digest of the fp8 scales ("" for int8, whose scales are in the pages)."""
+        fmt = self.kv_format
+        # every module that writes KV pages carries a kv_quant slot (decoder.Attention and the
+        # hybrid families' own attention layers)
+        layers = [m for m in self.model.modules() if hasattr(m, "kv_quant")]
+        if not fmt.is_fp8:
+            for attn in layers:
+                attn.kv_quant = KVQuant(fmt)
+            return ""
+        cfg = self.local_config
+        if cfg.num_kv_layers != cfg.num_layers:
+            raise ValueError(
+                f"kv_cache_dtype={fmt.name!r}: fp8 pages need a scale per layer, computed only "
+                f"for models whose every layer owns its KV pages; {cfg.model_type} has "
+                f"{cfg.num_layers - cfg.num_kv_layers} recurrent, shared-KV or MLP-only layers "
+                "(kv_cache_dtype='int8' keeps its scales in the pages and works here)")
+        scales = checkpoint_kv_scales(self.model_dir, cfg.num_layers, cfg.num_kv_heads)
+        source = "the checkpoint"
+        if scales is None:
+            ids = calibration_token_ids(self.model_dir)[: self.max_positions]
+            scales = calibrate_kv_scales(self.model, cfg, self.backend, ids, self.block_size,
+                                         self.dtype, self.device)
+            source = "a calibration prompt"
+        if len(scales) != len(layers):
+            raise ValueError(f"{len(scales)} KV scale pairs for {len(layers)} attention layers")
+        digest = hashlib.blake2b(digest_size=8)
+        for attn, (k, v) in zip(layers, scales, strict=True):
+            attn.kv_quant = KVQuant(fmt, k.to(self.device), v.to(self.device))
+            for s in (k, v):
+                digest.update(s.detach().float().cpu().numpy().tobytes())
+        logger.info("%s KV pages: per-head scales from %s", fmt.name, source)
+        return digest.hexdigest()
 
     def _wants_cuda_graphs(self) -> bool:
         """CUDA graphs for decode (cuda_graphs.graphs_off_because, decided at start-up)."""

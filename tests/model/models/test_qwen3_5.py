@@ -80,3 +80,24 @@ def test_what_holds_no_state_is_refused(family, tmp_path) -> None:
         LLM(model=str(family[1]), kv_offload_dir=str(tmp_path))
     with pytest.raises(ValueError, match="holds no recurrent state"):
         LLM(model=str(family[1]), kv_allocator="contiguous")
+
+
+def test_int8_kv_pages_beside_recurrent_state(family) -> None:
+    """The attention layers' pages in int8 (scales in the pages): the same tokens batched and
+    one at a time, under prefix caching, and a quarter of fp32's bytes plus the scales; fp8,
+    whose scales are per layer, is refused by name for a model with recurrent layers."""
+    from tests.model.models.hybrid_checks import KV_BYTES
+    from tests.model.models.test_families import GREEDY
+
+    _, path, ps, _ = family
+    llm = LLM(model=str(path), kv_cache_dtype="int8", kv_cache_memory_bytes=KV_BYTES,
+              block_size=16, enable_prefix_caching=True)
+    batched = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
+    alone = [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0] for p in ps]
+    assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in alone]
+    stats = llm.stats()
+    assert stats["kv_cache_dtype"] == "int8"
+    assert stats["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 4)  # two layers own pages
+    assert stats["kv_blocks_used"] == 0 and stats.get("state_slots_used", 0) == 0
+    with pytest.raises(ValueError, match="fp8 pages need a scale per layer"):
+        LLM(model=str(path), kv_cache_dtype="fp8", kv_cache_memory_bytes=KV_BYTES)

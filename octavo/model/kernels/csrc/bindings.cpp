@@ -8,12 +8,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged attention, single-token decode (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("first_pos") = py::none(),
-        py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("paged_prefill", &paged_prefill,
         "paged attention for every prefill chunk of a step in one call (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
         py::arg("start_pos"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
-        py::arg("bf16_dot") = true);
+        py::arg("bf16_dot") = true, py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
+  m.def("kv_write", &kv_write,
+        "the step's K/V into int8 or fp8 KV caches at the slot mapping, quantized per token",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("prefill_bf16_dot", &prefill_bf16_dot,
         "whether paged_prefill computes bf16 with the CPU's bf16 dot products");
   m.def("isa", &compiled_isa, "the instruction set this build's kernels use");

@@ -115,6 +115,14 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // fp8 KV pages: every layer's K and V scales ([num_kv_heads] each), in layer order
+  void set_kv_scales(std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales) {
+    TORCH_CHECK(k_scales.size() == layers_.size() && v_scales.size() == layers_.size(),
+                "one K and one V scale tensor per layer expected");
+    k_scales_ = std::move(k_scales);
+    v_scales_ = std::move(v_scales);
+  }
+
   // x: the embeddings [T, hidden]; returns (the last layer's MLP output, the residual stream)
   std::vector<at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                                   at::Tensor device_cache, at::Tensor slot_mapping,
@@ -138,10 +146,20 @@ class DecodeStack {
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
       const at::Tensor layer_cache = device_cache.select(0, L.cache_slot);
       const at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
-      k_cache.view({-1, kv_heads_, head_dim_}).index_copy_(0, slot_mapping, k);
-      v_cache.view({-1, kv_heads_, head_dim_}).index_copy_(0, slot_mapping, v);
+      // quantized pages (kv_quant.py): written quantized, read as stored, as the Python layers do
+      c10::optional<at::Tensor> ks, vs;
+      if (!k_scales_.empty()) {
+        ks = k_scales_[&L - layers_.data()];
+        vs = v_scales_[&L - layers_.data()];
+      }
+      if (k_cache.scalar_type() == x.scalar_type()) {
+        k_cache.view({-1, kv_heads_, head_dim_}).index_copy_(0, slot_mapping, k);
+        v_cache.view({-1, kv_heads_, head_dim_}).index_copy_(0, slot_mapping, v);
+      } else {
+        kv_write(k, v, k_cache, v_cache, slot_mapping, ks, vs);
+      }
       const at::Tensor attn = paged_decode(q.contiguous(), k_cache, v_cache, block_tables,
-                                           context_lens, scale_, c10::nullopt, 0, 0.0);
+                                           context_lens, scale_, c10::nullopt, 0, 0.0, ks, vs);
       h = L.o(attn.reshape({-1, q_size}));
       h = add_rms_norm_(h, residual, L.norm2, eps_);
       x = L.down(silu_and_mul(L.gate_up(h)));
@@ -154,6 +172,7 @@ class DecodeStack {
   double eps_, scale_;
   int64_t max_rows_;
   std::vector<Layer> layers_;
+  std::vector<at::Tensor> k_scales_, v_scales_;  // fp8 KV pages only
 };
 
 }  // namespace
@@ -169,6 +188,9 @@ void bind_decode_stack(py::module& m) {
            "as (type, tensors, bias, kind, group, int8_activations[, (weight_ptr, n, k_padded, "
            "rows, block) of packed_gemv, or a concatenation's parts' tuples])")
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_kv_scales", &DecodeStack::set_kv_scales,
+           "fp8 KV pages: every layer's K and V scales, in layer order", py::arg("k_scales"),
+           py::arg("v_scales"))
       .def("forward", &DecodeStack::forward,
            "every layer of an all-decode step: (last MLP output, residual)");
 }

@@ -11,17 +11,42 @@
 #include <string>
 #include <vector>
 
+// The paged KV cache's formats (octavo/model/layers/kv_quant.py): the model dtype, int8 rows
+// with their fp32 scale after the values, or fp8 with a scale per KV head (k_scale / v_scale,
+// [num_kv_heads] float32). The attention kernels take the format from the caches' dtype.
+enum class KVKind { kPlain, kInt8, kFp8E4M3, kFp8E5M2 };
+
+struct KVCacheFormat {
+  KVKind kind;
+  const float* k_scales;  // fp8: [num_kv_heads], else null
+  const float* v_scales;
+  at::Tensor k_hold, v_hold;  // keep the scales' fp32 copies alive
+};
+
+// the caches' format, checked against q's head_dim and dtype (kv_write.cpp)
+KVCacheFormat kv_cache_format(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
+                              const c10::optional<at::Tensor>& v_scale);
+
+// the step's K/V [T, kv_heads, head_dim] into int8 or fp8 caches at the slot mapping,
+// quantized per token (kv_write.cpp; a negative slot skips its token)
+void kv_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_mapping, c10::optional<at::Tensor> k_scale,
+              c10::optional<at::Tensor> v_scale);
+
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            at::Tensor block_tables, at::Tensor context_lens, double scale,
                            c10::optional<at::Tensor> first_pos, int64_t window,
-                           double softcap);
+                           double softcap, c10::optional<at::Tensor> k_scale,
+                           c10::optional<at::Tensor> v_scale);
 
 // every prefill chunk of a step: q [T,H,D] (chunk c's rows are query_start[c]..query_start[c+1]),
 // its keys at positions 0..start_pos[c]+len-1 through block_tables[c], causal inside the chunk;
 // bf16_dot: bf16 takes AVX-512 bf16 dot products where the CPU has them (else widened to fp32)
 at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                          at::Tensor block_tables, at::Tensor query_start, at::Tensor start_pos,
-                         double scale, int64_t window, double softcap, bool bf16_dot);
+                         double scale, int64_t window, double softcap, bool bf16_dot,
+                         c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale);
 
 // whether paged_prefill's bf16 takes bf16 dot products on this CPU with this build
 bool prefill_bf16_dot();

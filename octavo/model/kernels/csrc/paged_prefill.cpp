@@ -12,11 +12,14 @@
 //   - output: o^T[d][rows] += v[t][d] * p[t][rows], DB output dims at a time.
 // Only q is transposed (once per item) and o (once, at the end); K and V rows are read where
 // they lie in the cache (bf16/fp16 rows are widened to fp32 once per key tile; on a CPU with
-// AVX-512 bf16 dot products, bf16 takes prefill_bf16_dot.h's item instead). Everything
+// AVX-512 bf16 dot products, bf16 takes prefill_bf16_dot.h's item instead; quantized int8 /
+// fp8 rows, kv_rows.h, are dequantized into the same per-tile buffers, scale applied, so the
+// tile's inner loops are the fp32 ones and no copy of the cache is made). Everything
 // accumulates in fp32 in a fixed order, so a query's output does not depend on which other
 // chunks or threads share the step. Items are handed out longest first to the threads.
 #include <ATen/Parallel.h>
 
+#include "kv_rows.h"
 #include "ops.h"
 #include "prefill_bf16_dot.h"
 #include "prefill_tile.h"
@@ -33,10 +36,15 @@ using namespace octavo::prefill;
 using octavo::to_float;
 using octavo::Vec;
 
-template <typename T>
-void run_item(const Item& w, const T* q, const T* k_cache, const T* v_cache,
-              const int64_t* tables, const int64_t* query_start, const int64_t* start_pos,
-              T* out, const Shape& s, Scratch& sc) {
+// KV: how the cache's rows read (kv_rows.h); k_scales / v_scales: fp8's per-head scales
+template <typename T, typename KV>
+void run_item(const Item& w, const T* q, const typename KV::S* k_cache,
+              const typename KV::S* v_cache, const int64_t* tables, const int64_t* query_start,
+              const int64_t* start_pos, T* out, const Shape& s, Scratch& sc,
+              const float* k_scales, const float* v_scales) {
+  using S = typename KV::S;
+  const float khs = octavo::head_scale<KV>(k_scales, w.kv_head);
+  const float vhs = octavo::head_scale<KV>(v_scales, w.kv_head);
   const Geometry g = geometry(w, tables, query_start, start_pos, s);
   const int64_t D = g.D, rp = g.rp;
   init_rows(g, w, s, sc);
@@ -55,11 +63,22 @@ void run_item(const Item& w, const T* q, const T* k_cache, const T* v_cache,
         continue;
       }
       const int64_t off = key_offset(g, s, w, k0 + t);
-      const T* kr = k_cache + off;
-      const T* vr = v_cache + off;
-      if constexpr (std::is_same_v<T, float>) {
+      const S* kr = k_cache + off;
+      const S* vr = v_cache + off;
+      if constexpr (std::is_same_v<S, float>) {
         kp[t] = kr;
         vp[t] = vr;
+      } else if constexpr (KV::kQuant) {
+        float* kb = sc.kbuf.data() + t * D;
+        float* vb = sc.vbuf.data() + t * D;
+        const float ks = octavo::row_scale<KV>(kr, D, khs);
+        const float vs = octavo::row_scale<KV>(vr, D, vhs);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) kb[d] = octavo::kv_value<KV>(kr[d]) * ks;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) vb[d] = octavo::kv_value<KV>(vr[d]) * vs;
+        kp[t] = kb;
+        vp[t] = vb;
       } else {
         float* kb = sc.kbuf.data() + t * D;
         float* vb = sc.vbuf.data() + t * D;
@@ -113,20 +132,19 @@ void run_items(const std::vector<Item>& items, int64_t rows_padded, int64_t head
 
 at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                          at::Tensor block_tables, at::Tensor query_start, at::Tensor start_pos,
-                         double scale, int64_t window, double softcap, bool bf16_dot) {
+                         double scale, int64_t window, double softcap, bool bf16_dot,
+                         c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [T,H,D], cache [NB,BS,KVH,D] expected");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "q's heads and the caches must be contiguous (q's rows may be strided)");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the cache must have one dtype");
+  const KVCacheFormat fmt = kv_cache_format(q, k_cache, v_cache, k_scale, v_scale);
   block_tables = block_tables.to(at::kLong).contiguous();
   query_start = query_start.to(at::kLong).contiguous();
   start_pos = start_pos.to(at::kLong).contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), C = start_pos.size(0);
   TORCH_CHECK(H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(k_cache.size(3) == D, "cache head_dim differs from q's");
   TORCH_CHECK(D % DB == 0, "head_dim must be a multiple of ", DB);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == C && query_start.size(0) == C + 1,
               "one block table, one start position and query_start[C+1] per chunk expected");
@@ -151,10 +169,11 @@ at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
   auto out = at::empty({T, H, D}, q.options());
   const Shape shape{q.stride(0), H, KVH, D, BS, block_tables.size(1), static_cast<float>(scale), window,
-                    static_cast<float>(softcap)};
+                    static_cast<float>(softcap), k_cache.size(3)};
   const int64_t rows_padded = (kQueryTile * group + L - 1) / L * L;
 #if defined(__AVX512F__)
-  if (bf16_dot && q.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot()) {
+  if (bf16_dot && fmt.kind == KVKind::kPlain && q.scalar_type() == at::kBFloat16 &&
+      cpu_has_bf16_dot()) {
     const auto bits = [](const at::Tensor& t) {
       return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
     };
@@ -169,13 +188,28 @@ at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const int64_t* bt = block_tables.data_ptr<int64_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    run_items(items, rows_padded, D, [&](const Item& w, Scratch& sc) {
-      run_item<scalar_t>(w, qp, kc, vc, bt, qs, sp, op, shape, sc);
-    });
+    auto run = [&](auto kv, const auto* kc, const auto* vc) {
+      using KV = decltype(kv);
+      run_items(items, rows_padded, D, [&](const Item& w, Scratch& sc) {
+        run_item<scalar_t, KV>(w, qp, kc, vc, bt, qs, sp, op, shape, sc, fmt.k_scales,
+                               fmt.v_scales);
+      });
+    };
+    const auto* kb = static_cast<const uint8_t*>(k_cache.data_ptr());
+    const auto* vb = static_cast<const uint8_t*>(v_cache.data_ptr());
+    switch (fmt.kind) {
+      case KVKind::kInt8:
+        run(octavo::Int8KV{}, reinterpret_cast<const int8_t*>(kb),
+            reinterpret_cast<const int8_t*>(vb));
+        break;
+      case KVKind::kFp8E4M3: run(octavo::Fp8E4M3KV{}, kb, vb); break;
+      case KVKind::kFp8E5M2: run(octavo::Fp8E5M2KV{}, kb, vb); break;
+      default:
+        run(octavo::PlainKV<scalar_t>{}, k_cache.data_ptr<scalar_t>(),
+            v_cache.data_ptr<scalar_t>());
+    }
   });
   return out;
 }

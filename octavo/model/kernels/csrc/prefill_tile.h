@@ -38,6 +38,7 @@ struct Shape {
   float scale;
   int64_t window;  // 0: none
   float softcap;   // 0: none
+  int64_t head_stride;  // elements between a slot's KV heads: head_dim, + 4 for int8 rows
 };
 
 // Per-thread scratch, sized for the largest item. qt/ot: q^T and o^T, [head_dim][rows]; kbuf,
@@ -77,7 +78,7 @@ OCTAVO_ALWAYS_INLINE Geometry geometry(const Item& w, const int64_t* tables,
   g.p_last = g.p_first + w.nq - 1;
   g.k_begin = s.window > 0 ? std::max<int64_t>(0, g.p_first - s.window + 1) : 0;
   g.k_end = g.p_last + 1;
-  g.row_stride = s.num_kv_heads * g.D;  // elements between two slots of a block
+  g.row_stride = s.num_kv_heads * s.head_stride;  // elements between two slots of a block
   g.table = tables + w.chunk * s.table_width;
   return g;
 }
@@ -107,7 +108,7 @@ OCTAVO_ALWAYS_INLINE void init_rows(const Geometry& g, const Item& w, const Shap
 OCTAVO_ALWAYS_INLINE int64_t key_offset(const Geometry& g, const Shape& s, const Item& w,
                                         int64_t pos) {
   const int64_t slot = g.table[pos / s.block_size] * s.block_size + pos % s.block_size;
-  return slot * g.row_stride + w.kv_head * g.D;
+  return slot * g.row_stride + w.kv_head * s.head_stride;
 }
 
 // keys past the diagonal or before the window's start: some lanes of the tile must be masked

@@ -13,6 +13,10 @@ Masks: key position p (the table's first entry sits at `first_pos`, non-zero for
 groups whose tables start at the window) is seen when p < context_len, and with a window when
 p >= context_len - window. `softcap`: scores become tanh(s / cap) * cap (Gemma 2).
 
+Quantized pages (kv_quant.py, KV_KIND 1 int8 / 2 fp8): each K/V tile is widened and scaled as
+it is loaded (an int8 row's scale from the float32 view of the cache at the row's end, fp8's
+per-head scale), then multiplied in fp32 (the interpreter) or in the query's dtype.
+
 The number of splits comes from the padded table width (an upper bound of every context of the
 batch known without reading the device), so a CUDA graph captured for a width replays with the
 same grid.
@@ -31,6 +35,18 @@ MAX_SPLITS = 16
 
 
 @jit
+def dequant_tile(x, scale_ptr, off, row_mask, kvh, HEAD_DIM: tl.constexpr,
+                 KV_KIND: tl.constexpr):
+    """A tile of stored K or V rows [rows, d] as fp32 values: int8 rows times their scale
+    (fp32, after the row's values: at (off + HEAD_DIM) / 4 in the cache's float32 view), fp8
+    times the KV head's scale."""
+    if KV_KIND == 1:
+        s = tl.load(scale_ptr + (off + HEAD_DIM) // 4, mask=row_mask, other=0.0)
+        return x.to(tl.float32) * s[:, None]
+    return x.to(tl.float32) * tl.load(scale_ptr + kvh)
+
+
+@jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_lens_ptr, first_pos_ptr,
     part_out_ptr, part_lse_ptr,
@@ -38,11 +54,11 @@ def _decode_split_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_tb,
     stride_pb, stride_ph, stride_ps, stride_lb,
-    scale, softcap, window,
+    scale, softcap, window, k_scale_ptr, v_scale_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_FIRST_POS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_KIND: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -79,6 +95,8 @@ def _decode_split_kernel(
         off = block.to(tl.int64) * stride_cb + (t % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_KIND != 0:
+            k = dequant_tile(k, k_scale_ptr, off, t_mask, kvh, HEAD_DIM, KV_KIND).to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
@@ -89,6 +107,8 @@ def _decode_split_kernel(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_KIND != 0:
+            v = dequant_tile(v, v_scale_ptr, off, t_mask, kvh, HEAD_DIM, KV_KIND).to(q.dtype)
         pv = p.to(v.dtype)  # p rounded to the model dtype, as FlashAttention does
         if UPCAST:
             pv, v = pv.to(tl.float32), v.to(tl.float32)
@@ -145,6 +165,19 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def scale_views(k_cache: torch.Tensor, v_cache: torch.Tensor, kv
+                ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """For a kernel reading `kv`'s pages (kv_quant.KVQuant; None: the model dtype): the K and
+    V scale pointers (int8: each cache's float32 view, the scales sit at the rows' ends; fp8:
+    the per-head scales; none: unused), KV_KIND, and the scale elements after each row."""
+    if kv is None:
+        return k_cache, v_cache, 0, 0
+    if kv.fmt.name == "int8":
+        return (k_cache.view(torch.uint8).view(torch.float32),
+                v_cache.view(torch.uint8).view(torch.float32), 1, kv.fmt.scale_bytes)
+    return kv.k_scale, kv.v_scale, 2, 0
+
+
 def paged_decode(
     q: torch.Tensor,  # [B, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -157,10 +190,13 @@ def paged_decode(
     softcap: float = 0.0,
     out: torch.Tensor | None = None,
     splits: int | None = None,
+    kv=None,  # kv_quant.KVQuant: the caches hold quantized rows
 ) -> torch.Tensor:
     check_device(q)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_scale, v_scale, kv_kind, extra = scale_views(k_cache, v_cache, kv)
+    assert k_cache.shape[3] == head_dim + extra
     group = num_heads // num_kv_heads
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
     if out is None:
@@ -189,12 +225,12 @@ def paged_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         *part_strides,
-        scale, softcap if softcap else 1.0, window,
+        scale, softcap if softcap else 1.0, window, k_scale, v_scale,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_SIZE=block_size,
         NUM_SPLITS=splits, HAS_FIRST_POS=first_pos is not None, USE_SOFTCAP=bool(softcap),
         DOT_PRECISION=dot_precision(q.dtype),
-        UPCAST=interpreted() and q.dtype != torch.float32,
+        UPCAST=interpreted() and q.dtype != torch.float32, KV_KIND=kv_kind,
     )
     if splits == 1:
         return out

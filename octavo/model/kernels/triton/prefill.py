@@ -10,7 +10,8 @@ flat batch located by `query_start`).
 One program per (chunk, query head, BLOCK_M query rows) with an online softmax over BLOCK_N
 keys at a time; key slots come from the block table per key, so any block size works. The
 queries of a GQA group read their KV head (no repeated K/V in memory). Programs whose rows lie
-past their chunk's end return at once, so the grid is sized by the longest chunk.
+past their chunk's end return at once, so the grid is sized by the longest chunk. Quantized
+pages are widened and scaled tile by tile as decode.py does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from octavo.model.kernels.triton import check_device, interpreted, jit
-from octavo.model.kernels.triton.decode import dot_precision
+from octavo.model.kernels.triton.decode import dequant_tile, dot_precision, scale_views
 
 
 @jit
@@ -28,10 +29,11 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, query_start_ptr, start_pos_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_tb,
-    scale, softcap, window,
+    scale, softcap, window, k_scale_ptr, v_scale_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    KV_KIND: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -66,6 +68,8 @@ def _prefill_kernel(
         off = block.to(tl.int64) * stride_cb + (kp % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = k_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_KIND != 0:
+            k = dequant_tile(k, k_scale_ptr, off, k_mask, kvh, HEAD_DIM, KV_KIND).to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
@@ -81,6 +85,8 @@ def _prefill_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_KIND != 0:
+            v = dequant_tile(v, v_scale_ptr, off, k_mask, kvh, HEAD_DIM, KV_KIND).to(q.dtype)
         pv = p.to(v.dtype)  # p rounded to the model dtype, as FlashAttention does
         if UPCAST:
             pv, v = pv.to(tl.float32), v.to(tl.float32)
@@ -105,10 +111,13 @@ def paged_prefill(
     window: int = 0,
     softcap: float = 0.0,
     out: torch.Tensor | None = None,
+    kv=None,  # kv_quant.KVQuant: the caches hold quantized rows
 ) -> torch.Tensor:
     check_device(q)
     _, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_scale, v_scale, kv_kind, extra = scale_views(k_cache, v_cache, kv)
+    assert k_cache.shape[3] == head_dim + extra
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
     if out is None:
         out = torch.empty_like(q)
@@ -123,10 +132,10 @@ def paged_prefill(
         q, k_cache, v_cache, out, block_tables, query_start, start_pos,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale, softcap if softcap else 1.0, window,
+        scale, softcap if softcap else 1.0, window, k_scale, v_scale,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, USE_SOFTCAP=bool(softcap), DOT_PRECISION=dot_precision(q.dtype),
-        UPCAST=interpreted() and q.dtype != torch.float32,
+        UPCAST=interpreted() and q.dtype != torch.float32, KV_KIND=kv_kind,
     )
     return out

@@ -3,6 +3,8 @@
 The runner builds one `AttentionMetadata` per step; every layer's attention calls
 `backend.forward(...)`, which first writes the step's new K/V into the paged cache at the slot
 mapping, then attends each query to its sequence's past K/V, read only through block tables.
+With a quantized KV cache (`kv`), attention reads K/V as the cache stores them, the step's
+own tokens included, so a token's result does not depend on how its context was chunked.
 Sequences are ordered decodes first (one token each), then prefill chunks.
 """
 
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
+
+from octavo.model.layers.kv_quant import KVQuant
 
 
 @dataclass(slots=True)
@@ -75,7 +79,10 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        kv: KVQuant | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """`window` (local attention): a query at position p sees only the keys at positions
         (p - window, p]; `softcap`: scores become tanh(s / softcap) * softcap before the softmax.
-        Both None: plain causal attention."""
+        Both None: plain causal attention. `kv`: the caches hold quantized rows (kv_quant.py):
+        the step's K/V are written quantized and every key, the step's own included, is read
+        back as stored, in fp32. None: the caches hold the model dtype."""

@@ -14,6 +14,10 @@ with `octavo bench cpu` on 8 prompts of 32-512 tokens, 0.3x torch's speed (AVX2 
 AVX-512 build 1.8x; on 64 verification chunks of 5 tokens 1.2x, 2.8x and 3.9x). On a CPU with
 AVX-512 bf16 dot products (avx512_bf16), bf16 prefill takes them (prefill_bf16_dot.h) instead
 of widening K/V to fp32: 1.5-1.7x faster on the same steps.
+
+Quantized KV pages (`kv`, kv_quant.py): the compiled `kv_write` stores the step's K/V
+quantized, byte for byte as kv_quant.quantize does, and both kernels read the int8 / fp8 rows
+in place (kv_rows.h).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from octavo.model.layers.attention.base import AttentionMetadata, prefill_batch
 from octavo.model.layers.attention.torch_backend import TorchAttentionBackend, write_kv
+from octavo.model.layers.kv_quant import KVQuant
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
@@ -39,25 +44,35 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         return self.kernel.isa()
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None):
+                window: int | None = None, softcap: float | None = None,
+                kv: KVQuant | None = None):
         if meta.prefills and (q.shape[-1] % 8 or not self.prefill_kernel):
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, kv)
+        if kv is None:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            self.kernel.kv_write(k, v, k_cache, v_cache, meta.slot_mapping, kv.k_scale,
+                                 kv.v_scale)
         nd = meta.num_decodes
-        decoded = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap) \
+        decoded = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, kv) \
             if nd else None
         if not meta.prefills:
             assert decoded is not None
             return decoded
         tables, query_start, start_pos = prefill_batch(meta)
-        prefilled = self.kernel.paged_prefill(q[nd:], k_cache, v_cache, tables, query_start,
-                                              start_pos, scale, window or 0, softcap or 0.0,
-                                              self.bf16_dot)
+        prefilled = self.kernel.paged_prefill(
+            q[nd:], k_cache, v_cache, tables, query_start, start_pos, scale, window or 0,
+            softcap or 0.0, self.bf16_dot, *_scales(kv))
         return prefilled if decoded is None else torch.cat([decoded, prefilled])
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None):
+                window: int | None = None, softcap: float | None = None,
+                kv: KVQuant | None = None):
         return self.kernel.paged_decode(
             q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-            scale, meta.decode_first_pos, window or 0, softcap or 0.0,
+            scale, meta.decode_first_pos, window or 0, softcap or 0.0, *_scales(kv),
         )
+
+
+def _scales(kv: KVQuant | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return (None, None) if kv is None else (kv.k_scale, kv.v_scale)

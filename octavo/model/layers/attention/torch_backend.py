@@ -12,6 +12,10 @@ CPU, torch's flash kernel does not profit from the narrower dtype, while the mat
 oneDNN's bf16 kernels. Measured inside the `mixed` benchmark (prompts of 32-512 tokens, bf16, one
 thread), prefill attention took 1.5 s this way against 2.3 s in SDPA; an isolated loop over one
 prompt length favours SDPA from about 300 tokens, so the limit stays at the lengths measured.
+
+Quantized KV pages (`kv`, kv_quant.py) take the masked path in fp32: the step's K/V are
+written quantized, the gathered blocks are dequantized, and the step's own keys are used as
+stored (dequantize(quantize(k))), never as computed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
+from octavo.model.layers.kv_quant import KVQuant, dequantize, gather_rows, write_quantized
 
 EAGER_PREFILL_MAX_LEN = 512
 
@@ -42,11 +47,26 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return g.flatten(-4, -3)
 
 
+def read_blocks(cache: torch.Tensor, block_tables: torch.Tensor, kv: KVQuant | None,
+                which: str) -> torch.Tensor:
+    """gather_blocks, dequantized to fp32 where the cache holds quantized rows."""
+    if kv is None:
+        return gather_blocks(cache, block_tables)
+    g = gather_rows(cache, block_tables).flatten(-4, -3)
+    return dequantize(g, kv.fmt, kv.k_scale if which == "k" else kv.v_scale)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None):
+                window: int | None = None, softcap: float | None = None,
+                kv: KVQuant | None = None):
+        if kv is not None:
+            k, v = write_quantized(k, v, k_cache, v_cache, meta.slot_mapping, kv)
+            out = self._attend_masked(q.float(), k, v, k_cache, v_cache, meta, scale, window,
+                                      softcap, kv)
+            return out.to(q.dtype)
         if window is not None or softcap is not None:
             return self._forward_masked(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -64,10 +84,17 @@ class TorchAttentionBackend(AttentionBackend):
         """Sliding-window and/or soft-capped attention (Gemma): an explicit mask per query,
         scores through the soft cap; the plain path above is left as it is."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend_masked(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+
+    def _attend_masked(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                       window: int | None, softcap: float | None,
+                       kv: KVQuant | None = None) -> torch.Tensor:
+        """The masked path once the step's K/V are in the cache; `kv`: quantized pages, k and
+        v the step's rows as stored (fp32)."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, kv)
         block_size = k_cache.shape[1]
         for chunk in meta.prefills:
             s, e = chunk.query_start, chunk.query_end
@@ -82,8 +109,8 @@ class TorchAttentionBackend(AttentionBackend):
                 first_block, nblocks = lo // block_size, -(-ctx // block_size)
                 table = chunk.block_table[first_block:nblocks]
                 first = first_block * block_size
-                keys = gather_blocks(k_cache, table)[: ctx - first]
-                values = gather_blocks(v_cache, table)[: ctx - first]
+                keys = read_blocks(k_cache, table, kv, "k")[: ctx - first]
+                values = read_blocks(v_cache, table, kv, "v")[: ctx - first]
             k_pos = torch.arange(first, ctx, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]  # [qlen, keys]
             if window is not None:
@@ -94,15 +121,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        keys = gather_blocks(k_cache, meta.decode_block_tables)  # [B, L, kvh, d]
-        values = gather_blocks(v_cache, meta.decode_block_tables)
+                window: int | None = None, softcap: float | None = None,
+                kv: KVQuant | None = None) -> torch.Tensor:
+        keys = read_blocks(k_cache, meta.decode_block_tables, kv, "k")  # [B, L, kvh, d]
+        values = read_blocks(v_cache, meta.decode_block_tables, kv, "v")
         length = keys.shape[1]
         positions = torch.arange(length, device=q.device)[None, :]
         if meta.decode_first_pos is not None:
             positions = positions + meta.decode_first_pos[:, None]
         mask = positions < meta.decode_context_lens[:, None]  # [B, L]
-        if window is not None or softcap is not None:
+        if window is not None or softcap is not None or kv is not None:
             if window is not None:  # the query sits at context_len - 1
                 mask &= positions >= meta.decode_context_lens[:, None] - window
             return masked_attention(q[:, None], keys, values, mask[:, None], scale, softcap)[:, 0]

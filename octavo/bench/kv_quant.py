@@ -1,0 +1,182 @@
+"""`octavo bench kvquant`: quantized KV pages (kv_cache_dtype int8 / fp8) against the model
+dtype's pages, same model, same run, same threads.
+
+Quality (the embedded model, or --model): 20 prompts, each with the `auto` engine's greedy
+continuation of 128 tokens; prompt and continuation go through each engine in one prefill
+(teacher forcing: every position attends to the K/V as that engine stores them), and at each of
+the 20 x 128 positions the next-token distribution is compared with `auto`'s: top-1 agreement
+and the mean KL(p_auto || p_quant). The issue's bars: top-1 >= 99% for int8, >= 97% for
+fp8_e4m3. --quick: 4 prompts x 32 tokens, int8 and fp8_e4m3.
+
+Speed: long-context decode, where a step is bound by reading K/V: one sequence at an 8k context
+and 16 sequences at 2k (--quick: one at 512, auto and int8), random token prompts. One
+engine per KV format prefills the same prompts, then their decode steps are timed in 3 windows
+of WINDOW_STEPS steps after a warm-up window, interleaved between the engines; tok/s is the
+median window's. The CPU's flags and each engine's kernel path are recorded.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+from typing import Any
+
+import torch
+from matplotlib.figure import Figure
+
+from octavo.bench import workloads
+from octavo.bench.common import BenchResult, md_table, median
+from octavo.bench.engine_run import greedy_params, make_llm
+from octavo.bench.options import BenchOptions
+from octavo.bench.quant import PROMPTS, _logits
+from octavo.llm import LLM
+from octavo.sampling_params import SamplingParams
+
+FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
+SPEED_FORMATS = ("auto", "int8", "fp8_e4m3")
+CONTINUATION = 128
+WINDOW_STEPS, WINDOWS = 16, 3
+BARS = {"int8": 0.99, "fp8_e4m3": 0.97}
+
+
+def quality(base: LLM, quant: LLM, refs: list[list[int]], prompts: list[list[int]]
+            ) -> dict[str, Any]:
+    agree, kls = [], []
+    for p, r in zip(prompts, refs, strict=True):
+        seq = p + r
+        span = slice(len(p) - 1, len(seq) - 1)  # the positions that predict the continuation
+        a = _logits(base, seq)[span].log_softmax(-1)
+        b = _logits(quant, seq)[span].log_softmax(-1)
+        agree.append((a.argmax(-1) == b.argmax(-1)).float())
+        kls.append((a.exp() * (a - b)).sum(-1))
+    top1, kl = torch.cat(agree), torch.cat(kls)
+    return {"top1_agreement": top1.mean().item(), "mean_kl": kl.mean().item(),
+            "max_kl": kl.max().item(), "positions": top1.numel()}
+
+
+def model_max_len(model: str | None) -> int:
+    from octavo.config import ModelConfig
+    from octavo.model.sources import resolve_model_dir
+
+    return ModelConfig.from_dir(resolve_model_dir(model)).max_len[0]
+
+
+def decode_speeds(opts: BenchOptions, formats: tuple[str, ...], num_seqs: int, context: int
+                  ) -> list[dict[str, Any]]:
+    """Decode tok/s of `num_seqs` sequences whose prompts are `context` tokens long, one engine
+    per KV format, all prefilled first, then their timed windows interleaved (window w of every
+    engine before window w + 1 of any), so that a machine whose speed drifts favours none."""
+    vocab = workloads.SMOLLM2_VOCAB if not opts.model else 256
+    steps = WINDOW_STEPS * (WINDOWS + 1)
+    context = min(context, model_max_len(opts.model) - steps - 2)  # a small --model
+    total = context + steps + 2
+    blocks = num_seqs * -(-total // 16) + 4
+    rng = random.Random(opts.seed)
+    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(num_seqs)]
+    runs = []
+    for name in formats:
+        llm = make_llm(opts.model, overrides=opts.engine_overrides, dtype=opts.dtypes[0],
+                       kv_cache_dtype=name, num_kv_blocks=blocks, max_model_len=total,
+                       max_num_seqs=max(num_seqs, 1))
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, greedy_params(steps + 2))
+        started: set[str] = set()
+        t0 = time.perf_counter()
+        while len(started) < num_seqs:  # every prompt prefilled: the next steps are decodes
+            for out in engine.step():
+                if out.outputs[0].token_ids:
+                    started.add(out.request_id)
+        runs.append({"llm": llm, "kv_cache_dtype": name, "rates": [],
+                     "prefill_s": time.perf_counter() - t0})
+    for w in range(WINDOWS + 1):
+        for r in runs:
+            engine = r["llm"].engine
+            t = time.perf_counter()
+            for _ in range(WINDOW_STEPS):
+                engine.step()
+            if w:  # the first window warms up
+                r["rates"].append(num_seqs * WINDOW_STEPS / (time.perf_counter() - t))
+    results = []
+    for r in runs:
+        llm = r.pop("llm")
+        for i in range(num_seqs):
+            llm.engine.abort_request(f"s{i}")
+        results.append({"kv_cache_dtype": r["kv_cache_dtype"], "num_seqs": num_seqs,
+                        "context": context, "decode_tok_s": median(r["rates"]),
+                        "windows_tok_s": [round(x, 2) for x in r["rates"]],
+                        "prefill_s": r["prefill_s"],
+                        "kv_bytes_per_token": llm.stats()["kv_bytes_per_token"],
+                        "kernel_path": llm.engine.kernel_path()})
+        del llm
+    gc.collect()
+    return results
+
+
+def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
+    t0 = time.perf_counter()
+    # room for every prompt and its continuation at once, not the default 1 GiB per engine
+    continuation = opts.pick(32, CONTINUATION)
+    texts = PROMPTS[:opts.pick(4, len(PROMPTS))]
+    sized = dict(dtype=opts.dtypes[0], num_kv_blocks=len(texts) * -(-(64 + continuation) // 16))
+    base = make_llm(opts.model, overrides=opts.engine_overrides, **sized)
+    tokenizer = base.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in texts]
+    params = SamplingParams(temperature=0, max_tokens=continuation, ignore_eos=True,
+                            detokenize=False)
+    refs = [o.outputs[0].token_ids for o in base.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    results: dict[str, Any] = {"quality": {}, "speed": [],
+                               "model_dtype": base.engine.kernel_path()["dtype"],
+                               "auto_kv_bytes_per_token": base.stats()["kv_bytes_per_token"]}
+    for name in FORMATS[:opts.pick(2, len(FORMATS))]:
+        quant = make_llm(opts.model, overrides=opts.engine_overrides, kv_cache_dtype=name,
+                         **sized)
+        results["quality"][name] = {**quality(base, quant, refs, prompts),
+                                    "kv_bytes_per_token": quant.stats()["kv_bytes_per_token"]}
+        del quant
+        gc.collect()
+    del base
+    gc.collect()
+    cases = [(1, opts.pick(512, 8128))] + ([] if opts.quick else [(16, 2000)])
+    for num_seqs, context in cases:
+        results["speed"] += decode_speeds(opts, SPEED_FORMATS[:opts.pick(2, 3)], num_seqs,
+                                          context)
+    md = [md_table(
+        ["kv_cache_dtype", "bytes/token", "x auto",
+         f"top-1 agreement % ({len(texts)} x {continuation})", "bar",
+         "mean KL", "max KL"],
+        [[n, r["kv_bytes_per_token"], results["auto_kv_bytes_per_token"] /
+          r["kv_bytes_per_token"], r["top1_agreement"] * 100,
+          f">= {BARS[n] * 100:.0f}%: {'met' if r['top1_agreement'] >= BARS[n] else 'NOT met'}"
+          if n in BARS else "-", r["mean_kl"], r["max_kl"]]
+         for n, r in results["quality"].items()], digits=4), ""]
+    rows = []
+    for r in results["speed"]:
+        base_rate = next(s["decode_tok_s"] for s in results["speed"]
+                         if s["kv_cache_dtype"] == "auto" and s["num_seqs"] == r["num_seqs"])
+        rows.append([f"{r['num_seqs']} x {r['context']}", r["kv_cache_dtype"],
+                     r["kv_bytes_per_token"], r["decode_tok_s"],
+                     r["decode_tok_s"] / base_rate, ", ".join(map(str, r["windows_tok_s"])),
+                     r["prefill_s"]])
+    md.append(md_table(["sequences x context", "kv_cache_dtype", "bytes/token",
+                        "decode tok/s (median)", "x auto", "windows", "prefill s"], rows,
+                       digits=3))
+    config = {"prompts": len(texts), "continuation": continuation,
+              "window_steps": WINDOW_STEPS, "windows": WINDOWS,
+              "threads": torch.get_num_threads(), "model": opts.model or "SmolLM2-135M"}
+    return (BenchResult("kvquant", opts.command, config, results, "\n".join(md),
+                        elapsed_s=time.perf_counter() - t0), plot)
+
+
+def plot(results: dict[str, Any], fig: Figure) -> None:
+    ax1, ax2 = fig.subplots(1, 2)
+    names = list(results["quality"])
+    ax1.bar(names, [results["quality"][n]["top1_agreement"] * 100 for n in names])
+    ax1.set_ylim(90, 100)
+    ax1.set_ylabel("top-1 agreement with auto KV (%)")
+    labels = [f"{r['num_seqs']}x{r['context']}\n{r['kv_cache_dtype']}" for r in results["speed"]]
+    ax2.bar(labels, [r["decode_tok_s"] for r in results["speed"]])
+    ax2.set_ylabel("decode tok/s")
+    ax2.tick_params(axis="x", labelsize=7)
