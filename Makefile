@@ -49,9 +49,11 @@ pull-qwen: install
 run: install
 	$(PY) -m octavo.cli serve --host 127.0.0.1 --port 8000
 
+# the suite in two worker processes (one per core of the 2-core CI machine), a test file to a
+# worker so module fixtures are built once; tests/conftest.py gives each worker one thread
 test: install
 	$(VENV)/bin/ruff check octavo tests
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 lint: install
 	$(VENV)/bin/ruff check octavo tests

@@ -7,7 +7,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest-xdist (`make test` runs two workers on a 2-core machine) each worker, and every
+# process it starts, computes on one thread: two workers with two spinning threads each would
+# oversubscribe the cores. Set before torch is imported, which reads it once.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # in case a plugin imported torch before this file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
