@@ -29,7 +29,7 @@ from octavo.bench import workloads
 from octavo.bench.common import BenchResult, md_table, median
 from octavo.bench.engine_run import greedy_params, make_llm
 from octavo.bench.options import BenchOptions
-from octavo.bench.quant import PROMPTS, _logits
+from octavo.bench.quant import PROMPTS, sequence_logits
 from octavo.llm import LLM
 from octavo.sampling_params import SamplingParams
 
@@ -46,8 +46,8 @@ def quality(base: LLM, quant: LLM, refs: list[list[int]], prompts: list[list[int
     for p, r in zip(prompts, refs, strict=True):
         seq = p + r
         span = slice(len(p) - 1, len(seq) - 1)  # the positions that predict the continuation
-        a = _logits(base, seq)[span].log_softmax(-1)
-        b = _logits(quant, seq)[span].log_softmax(-1)
+        a = sequence_logits(base, seq)[span].log_softmax(-1)
+        b = sequence_logits(quant, seq)[span].log_softmax(-1)
         agree.append((a.argmax(-1) == b.argmax(-1)).float())
         kls.append((a.exp() * (a - b)).sum(-1))
     top1, kl = torch.cat(agree), torch.cat(kls)

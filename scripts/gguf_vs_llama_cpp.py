@@ -1,0 +1,179 @@
+"""octavo against llama.cpp on the same GGUF file: single-stream speed and resident memory.
+
+Speed: llama-bench's pp/tg shape on both (a random prompt of --prompt tokens prefilled alone,
+then --gen new tokens after it), at each thread count, medians of --repeats after a warm-up;
+octavo through `LLM` with the file's blocks kept (its default for a GGUF file), llama.cpp
+through `llama-bench -o json`. Memory: the resident set of `octavo serve` and of
+`llama-server` on the same file, after start-up, with the same context (--ctx) and one
+sequence's KV cache (octavo: --max-model-len ctx and ctx / 16 blocks of 16 tokens).
+
+    PYTHONPATH=. python scripts/gguf_vs_llama_cpp.py qwen2.5-coder-1.5b \
+        --llama-bin /path/to/llama.cpp/build/bin --threads 1 2 --out docs/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_flags() -> list[str]:
+    want = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "fma"}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return sorted(want & set(line.split(":", 1)[1].split()))
+    return []
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def octavo_speed(model: str, threads: int, prompt: int, gen: int, repeats: int) -> dict:
+    import torch
+
+    from octavo import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(model=model, max_model_len=prompt + gen + 16, enable_prefix_caching=False)
+    vocab = llm.engine.runner.config.vocab_size
+    pp, tg = [], []
+    for rep in range(repeats + 1):  # the first is a warm-up
+        rng = random.Random(rep)
+        ids = [rng.randrange(100, min(vocab, 30000)) for _ in range(prompt)]
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        full = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
+        prefill_s = time.perf_counter() - t
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], full, use_tqdm=False)
+        total_s = time.perf_counter() - t
+        if rep:
+            pp.append(prompt / prefill_s)
+            tg.append((gen - 1) / (total_s - prefill_s))
+    path = llm.engine.runner.kernel_path()
+    stats = llm.stats()
+    return {"pp_tok_s": statistics.median(pp), "tg_tok_s": statistics.median(tg),
+            "weights_bytes": stats.get("weights_bytes"), "kernel_path": path}
+
+
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, prompt: int, gen: int,
+                repeats: int) -> dict:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(prompt),
+                          "-n", str(gen), "-t", str(threads), "-r", str(repeats), "-o", "json"],
+                         capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    pp = next(r for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)
+    return {"pp_tok_s": pp["avg_ts"], "tg_tok_s": tg["avg_ts"],
+            "build": f"{rows[0].get('build_commit', '?')} ({rows[0].get('build_number', '?')})"}
+
+
+def rss_after_start(cmd: list[str], port: int, timeout: float = 1800) -> dict:
+    log = Path(f"/tmp/rss_{port}.log")
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
+                                env=os.environ.copy())
+    t0 = time.monotonic()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{cmd[0]} exited ({proc.returncode}); see {log}")
+            if time.monotonic() - t0 > timeout:
+                raise SystemExit(f"{cmd[0]} did not start in time")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        time.sleep(2)
+        out = {}
+        with open(f"/proc/{proc.pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key + "_MiB"] = int(value.split()[0]) / 1024
+        return out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="an installed model's name or a GGUF file")
+    parser.add_argument("--llama-bin", type=Path, required=True,
+                        help="the directory holding llama-bench and llama-server")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--gen", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    from octavo.model.sources import gguf_source, resolve_model_dir
+
+    gguf = Path(args.model) if str(args.model).endswith(".gguf") \
+        else gguf_source(resolve_model_dir(args.model))
+    result: dict = {"model": args.model, "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
+                    "cpu": cpu_name(), "flags": cpu_flags(), "cores": os.cpu_count(),
+                    "load_avg_before": os.getloadavg(), "speed": []}
+    for t in args.threads:
+        ll = llama_bench(args.llama_bin, gguf, t, args.prompt, args.gen, args.repeats)
+        oc = octavo_speed(args.model, t, args.prompt, args.gen, args.repeats)
+        result["speed"].append({"threads": t, "octavo": oc, "llama.cpp": ll,
+                                "pp_ratio": oc["pp_tok_s"] / ll["pp_tok_s"],
+                                "tg_ratio": oc["tg_tok_s"] / ll["tg_tok_s"]})
+        print(json.dumps(result["speed"][-1], default=str), flush=True)
+    if not args.skip_memory:
+        port = free_port()
+        oc = rss_after_start([sys.executable, "-m", "octavo.cli", "serve", "--model", args.model,
+                              "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
+                              str(args.ctx), "--num-kv-blocks", str(args.ctx // 16),
+                              "--max-num-seqs", "1"], port)
+        port = free_port()
+        ll = rss_after_start([str(args.llama_bin / "llama-server"), "-m", str(gguf), "--host",
+                              "127.0.0.1", "--port", str(port), "-c", str(args.ctx), "-np", "1",
+                              "-t", str(args.threads[-1])], port)
+        result["memory"] = {"octavo": oc, "llama-server": ll,
+                            "rss_ratio": oc["VmRSS_MiB"] / ll["VmRSS_MiB"]}
+        print(json.dumps(result["memory"]), flush=True)
+    result["load_avg_after"] = os.getloadavg()
+    if args.out:
+        name = Path(str(args.model)).stem
+        (args.out / f"gguf-vs-llamacpp-{name}.json").write_text(
+            json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
