@@ -169,7 +169,7 @@ def main() -> int:
         print(json.dumps(result["memory"]), flush=True)
     result["load_avg_after"] = os.getloadavg()
     if args.out:
-        name = Path(str(args.model)).stem
+        name = Path(str(args.model)).name.removesuffix(".gguf")
         (args.out / f"gguf-vs-llamacpp-{name}.json").write_text(
             json.dumps(result, indent=2, default=str))
     return 0
