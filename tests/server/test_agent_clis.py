@@ -1,11 +1,12 @@
-"""The agent CLIs people point at local servers, against `octavo serve` on the embedded
-SmolLM2-135M-Instruct (the largest chat model octavo installs): Claude Code
-(`@anthropic-ai/claude-code`, ANTHROPIC_BASE_URL, print mode, /v1/messages) and Codex CLI
-(`@openai/codex`, a custom provider on /v1/responses), each given one short tool-using task.
+"""The agent CLIs people point at local servers, against `octavo serve` on the largest chat
+model installed (Qwen2.5-Coder-1.5B-Instruct after `make pull-qwen`, otherwise the embedded
+SmolLM2-135M-Instruct): Claude Code (`@anthropic-ai/claude-code`, ANTHROPIC_BASE_URL, print
+mode, /v1/messages) and Codex CLI (`@openai/codex`, a custom provider on /v1/responses), each
+given one short tool-using task.
 
 Only the protocol is judged: the CLI finishes without an API error and every request it made
-got a 2xx. A 135M model rarely decides to call the tool, so a tool round trip is checked only
-when the model made one (the CLI's own tool loop then sent the result back).
+got a 2xx. A small model does not always decide to call the tool, so a tool round trip is
+checked only when the model made one (the CLI's own tool loop then sent the result back).
 
 Marked `agent_cli`. The CLIs come from npm into $OCTAVO_CACHE/agent-clis (the first run installs
 them: a few hundred MB). Skipped where node is missing or older than 18, where the npm registry
@@ -28,10 +29,22 @@ import pytest
 from octavo.bench.options import BenchOptions
 from octavo.bench.server_proc import ServerProcess
 from octavo.envs import cache_dir
+from octavo.model import catalog
 
 pytestmark = pytest.mark.agent_cli
 PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex"}
-MODEL = "smollm2"
+
+
+def largest_chat_model() -> tuple[str, str | None, int]:
+    """(served name, `--model` value, context tokens) of the largest installed chat model.
+    Gemma 3 270M is a base model, not a chat model, so it is not a candidate."""
+    qwen = catalog.find("qwen2.5-coder-1.5b")
+    if qwen is not None and catalog.installed_file(qwen) is not None:
+        return "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b", 32768
+    return "smollm2", None, 8192
+
+
+MODEL, MODEL_ARG, CONTEXT = largest_chat_model()
 TASK = "Use your shell tool to run this command and tell me its output: cat note.txt"
 
 
@@ -65,11 +78,11 @@ def clis() -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = ServerProcess(BenchOptions(), log, ["--enable-auto-tool-choice", "--tool-call-parser",
-                                               "hermes", "--uvicorn-log-level", "info"],
-                         name=MODEL)
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+             "--uvicorn-log-level", "info"]
+    proc = ServerProcess(BenchOptions(model=MODEL_ARG), log, flags, name=MODEL)
     try:
-        proc.wait_ready()
+        proc.wait_ready(timeout_s=600)
         yield proc
     finally:
         assert proc.stop() == 0
@@ -92,15 +105,16 @@ def test_claude_code(clis: dict[str, Path], server: ServerProcess, workdir: Path
            "ANTHROPIC_API_KEY": "unused", "ANTHROPIC_MODEL": MODEL,
            "ANTHROPIC_SMALL_FAST_MODEL": MODEL, "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
-           # the model's context is 8k tokens: Claude Code's own prompt is kept short
-           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "512"}
+           # Claude Code's own prompt is about 7.4k tokens: in an 8k context its answers are
+           # kept short
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "512" if CONTEXT <= 8192 else "4096"}
     done = subprocess.run(
         [str(clis["claude"]), "-p", TASK, "--model", MODEL, "--tools", "Bash",
          "--allowedTools", "Bash", "--max-turns", "3", "--output-format", "json",
          "--system-prompt", "You are a helpful assistant. Use the Bash tool to run commands."],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
     result = json.loads(done.stdout)
-    if result["is_error"] and "output token maximum" in result["result"]:
+    if CONTEXT <= 8192 and result["is_error"] and "output token maximum" in result["result"]:
         # the 135M model rambled past max_tokens (sampled at Claude Code's temperature): the
         # answer's length, not the protocol; every request still got its 200 below
         assert result["subtype"] == "success", result
@@ -128,7 +142,7 @@ def test_codex(clis: dict[str, Path], server: ServerProcess, workdir: Path) -> N
            "OPENAI_API_KEY": "unused"}
     done = subprocess.run(
         [str(clis["codex"]), "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access",
-         "--json", TASK], cwd=workdir, env=env, capture_output=True, text=True, timeout=600,
+         "--json", TASK], cwd=workdir, env=env, capture_output=True, text=True, timeout=1800,
         stdin=subprocess.DEVNULL)
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     kinds = [e["type"] for e in events]
