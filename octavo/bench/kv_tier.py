@@ -73,15 +73,23 @@ def restart(opts: BenchOptions, prefix_len: int, vocab: int, repeats: int) -> li
     return runs
 
 
-def load(opts: BenchOptions, repeats: int, vocab: int) -> dict[bool, list[dict]]:
-    tiny = opts.model is not None
+def model_shape(opts: BenchOptions) -> tuple[int, bool]:
+    """The model's vocabulary size, and whether it is a tiny test model (under 2k positions)."""
+    from octavo.config import ModelConfig
+    from octavo.model.sources import resolve_model_dir
+
+    cfg = ModelConfig.from_dir(resolve_model_dir(opts.model))
+    return cfg.vocab_size, cfg.max_len[0] < 2048
+
+
+def load(opts: BenchOptions, repeats: int, vocab: int, tiny: bool) -> dict[bool, list[dict]]:
     root = Path(tempfile.mkdtemp(prefix="octavo-kv-tier-"))
     raw: dict[bool, list[dict]] = {False: [], True: []}
     try:
         llms = {False: _llm(opts, 2048 if not tiny else 512),
                 True: _llm(opts, 2048 if not tiny else 512, kv_offload_dir=str(root))}
         for rep in range(repeats):
-            wl = trace(opts, rep, vocab)
+            wl = trace(opts, rep, vocab, tiny)
             order = (False, True) if rep % 2 == 0 else (True, False)
             for on in order:
                 llm = llms[on]
@@ -109,8 +117,7 @@ def load(opts: BenchOptions, repeats: int, vocab: int) -> dict[bool, list[dict]]
     return raw
 
 
-def trace(opts: BenchOptions, rep: int, vocab: int) -> workloads.Workload:
-    tiny = opts.model is not None
+def trace(opts: BenchOptions, rep: int, vocab: int, tiny: bool) -> workloads.Workload:
     return workloads.mixed(num_requests=opts.num_requests or opts.pick(16, 64),
                            output_len=opts.pick(32, 128), max_prompt=256 if tiny else 512,
                            vocab=vocab, seed=opts.seed * 1000 + 100 + rep)
@@ -118,16 +125,15 @@ def trace(opts: BenchOptions, rep: int, vocab: int) -> workloads.Workload:
 
 def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     t0 = time.perf_counter()
-    tiny = opts.model is not None
-    vocab = 256 if tiny else workloads.SMOLLM2_VOCAB
+    vocab, tiny = model_shape(opts)
     prefix_len = 256 if tiny else opts.pick(1024, 4096)
     repeats = opts.reps(1, 3)
     rs = restart(opts, prefix_len, vocab, repeats)
-    raw = load(opts, repeats, vocab)
+    raw = load(opts, repeats, vocab, tiny)
     cold, warm = median([r["cold_s"] for r in rs]), median([r["tier_s"] for r in rs])
     tps = {on: median([r["output_tok_s"] for r in runs]) for on, runs in raw.items()}
     load_ratio = tps[True] / tps[False]
-    wl = trace(opts, 0, vocab)
+    wl = trace(opts, 0, vocab, tiny)
     name = opts.model or "SmolLM2-135M-Instruct"
     md = [
         f"{name} {opts.dtypes[0]}, block size 16, {repeats} repeat(s), medians.",

@@ -106,6 +106,16 @@ def test_kvquant_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> No
     assert [r["kv_cache_dtype"] for r in results["speed"]] == ["auto", "int8"]
 
 
+def test_kvquant_parts(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    base = ["kvquant", "--quick", "--threads", "1", "--model", str(tiny_llama_dir), "--out",
+            str(tmp_path)]
+    assert bench_main([*base, "--workload", "1x8k"]) == 0
+    results = _files(tmp_path, "kvquant")["results"]
+    assert results["quality"] == {} and len(results["speed"]) == 2
+    with pytest.raises(ValueError, match="kvquant --workload"):
+        bench_main([*base, "--workload", "8x8k"])
+
+
 def test_throughput_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
     argv = ["throughput", "--quick", "--threads", "1", "--dtype", "auto", "--model",
             str(tiny_llama_dir), "--out", str(tmp_path)]

@@ -122,6 +122,8 @@ def test_claude_code(clis: dict[str, Path], server: ServerProcess, workdir: Path
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
         assert result["is_error"] is False and result["subtype"] == "success", result
     statuses = requests_in(server.log, "/v1/messages")
+    print(f"Claude Code on {MODEL}: {result['num_turns']} turn(s), /v1/messages {statuses}, "
+          f"answer {result['result'][:300]!r}")
     assert statuses and all(s == 200 for s in statuses), statuses
     if result["num_turns"] > 1:  # the model called Bash: its result went back in a 2nd turn
         assert len(statuses) >= 2
@@ -150,6 +152,7 @@ def test_codex(clis: dict[str, Path], server: ServerProcess, workdir: Path) -> N
     assert "turn.failed" not in kinds and not any(
         e["type"] == "error" and "error" in e.get("message", "") for e in events), events
     statuses = requests_in(server.log, "/v1/responses")
+    print(f"Codex on {MODEL}: events {kinds}, /v1/responses {statuses}")
     assert statuses and all(s == 200 for s in statuses), statuses
     commands = [e for e in events if e["type"] == "item.completed"
                 and e["item"].get("type") == "command_execution"]
