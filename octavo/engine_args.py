@@ -108,7 +108,8 @@ class EngineArgs:
         None, "a directory for the KV tier below the pool: full prefix-cache blocks are "
         "written there in the background, and a prefix the pool no longer holds is loaded back "
         "instead of recomputed; it outlives the server, and several servers of the same model "
-        "may share it")
+        "may share it (a block's record holds every tensor-parallel rank's shard, and is read "
+        "back only at the tensor_parallel_size that wrote it)")
     kv_offload_url: str | None = _opt(
         None, "a remote KV tier instead of a directory, for servers on several machines: "
         "redis://host:port/db (Redis or Valkey; bound it with the server's maxmemory and "
@@ -241,8 +242,6 @@ class EngineArgs:
         if not self.enable_prefix_caching or self.kv_allocator != "paged":
             raise EngineArgsError(name, "the KV tier holds prefix-cache blocks: it needs "
                                   "enable_prefix_caching and the paged KV cache")
-        if self.tensor_parallel_size > 1:
-            raise EngineArgsError(name, "cannot be combined with tensor_parallel_size > 1 yet")
 
     @property
     def executor_backend(self) -> str:

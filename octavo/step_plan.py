@@ -134,5 +134,6 @@ class RunnerOutput:
     logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
     # seq_id -> logprobs of the prompt tokens this step's chunk predicted
     prompt_logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
-    # the bytes of the plan's tier_saves blocks, in its order
+    # the bytes of the plan's tier_saves blocks, in its order (under tensor parallelism the
+    # executor joins every rank's shard of each: engine/executor/tier_shards.py)
     saved_blocks: list[bytes] = field(default_factory=list)

@@ -71,7 +71,7 @@ class LLMEngine:
         self.tier = None
         if args.kv_offload_dir is not None or args.kv_offload_url is not None:
             fp = fingerprint(args, self.model_dir, self.model_config, path["dtype"],
-                             self.executor.kv_block_format())
+                             self.executor.kv_block_formats())
             self.tier = open_tier(args, fp)
         self.kv = make_kv_manager(args, blocks, self.max_model_len, self.model_config, self.tier)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)

@@ -7,8 +7,15 @@ chained block hash, with the request's cache salt, names those): the model (its 
 sample of every weight file's bytes, so a fine-tune or another revision of the same
 architecture does not match), the dtype the KV is computed in and stored as, the block's
 layout (block size, KV heads, head size, layer slots of a KV cache group), the groups' windows
-and layers, the tensor-parallel rank and size, and the weight quantization. Servers with equal
+and layers, the tensor-parallel size, and the weight quantization. Servers with equal
 fingerprints share records, whichever machine they run on.
+
+Under tensor parallelism a record holds every rank's shard of its block, in rank order
+(engine/executor/tier_shards.py), so the fingerprint names the group's size and each rank's
+block format, not one rank. Another size computes other numbers (the all-reduces add in
+another order) and cuts the heads otherwise, so records written at one size are never read at
+another, 1 included. One rank keeps the fields it always had ("tensor_parallel": [0, 1], one
+block format), so its directories written before stay found.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,18 +63,24 @@ def model_identity(model_dir: Path) -> str:
 
 
 def fingerprint(args: EngineArgs, model_dir: Path, config: ModelConfig, dtype: str,
-                block_format: str, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Any]:
+                block_formats: Sequence[str]) -> dict[str, Any]:
+    """`block_formats`: each rank's `KVCache.block_format()`, rank order (one: no tensor
+    parallelism)."""
     groups = config.kv_groups
+    size = len(block_formats)
+    if size == 0:
+        raise ValueError("the KV tier's fingerprint needs the block format of every rank")
     return {
         "format": FORMAT,
         "model": model_identity(model_dir),
         "model_type": config.model_type,
         "dtype": dtype,
-        "kv_block": block_format,
+        "kv_block": block_formats[0] if size == 1 else list(block_formats),
         "block_size": args.block_size,
         "kv_groups": {"windows": list(groups.windows), "layer_group": list(groups.layer_group),
                       "layer_slot": list(groups.layer_slot)},
-        "tensor_parallel": [tp_rank, tp_size],
+        # one rank: its [rank, size], as always; a group: records of all its ranks' shards
+        "tensor_parallel": [0, 1] if size == 1 else {"size": size, "ranks": list(range(size))},
         "quantization": args.quantization,
         "quantization_group_size": args.quantization_group_size if args.quantization else None,
     }

@@ -284,7 +284,6 @@ def test_the_page_map_shows_blocks_on_their_way_to_and_from_the_tier(llama, tmp_
     ({"kv_offload_url": "redis://h:1/0", "kv_offload_bytes": 1 << 20}, "kv_offload_bytes"),
     ({"kv_offload_url": "http://h:1"}, "kv_offload_url"),
     ({"kv_offload_dir": "/t", "enable_prefix_caching": False}, "kv_offload_dir"),
-    ({"kv_offload_dir": "/t", "tensor_parallel_size": 2}, "kv_offload_dir"),
     ({"kv_offload_dir": "/t", "kv_offload_write": "always"}, "kv_offload_write"),
 ])
 def test_tier_options_are_checked(opts, bad) -> None:

@@ -1,6 +1,7 @@
 """The `ray` executor on a local Ray cluster this test starts (`ray start --head` on 127.0.0.1,
 stopped afterwards): the greedy tokens of one rank with tensor_parallel_size 2, with prefix
-caching, n > 1, preemption and chunked prefill; a killed actor fails the step naming it."""
+caching, n > 1, preemption, chunked prefill and hits of the KV tier; a killed actor fails the
+step naming it."""
 
 from __future__ import annotations
 
@@ -75,16 +76,24 @@ def test_ray_tp2_gives_the_greedy_tokens_of_one_rank(ray_cluster):
         assert got_n == want_n
 
 
-def test_ray_tp2_with_preemption_then_a_killed_actor(ray_cluster, uneven_dir):
+def test_ray_tp2_with_preemption_and_a_kv_tier_then_a_killed_actor(ray_cluster, uneven_dir,
+                                                                     tmp_path):
     prompts = [{"prompt_token_ids": [(5 * j + i) % 250 + 3 for i in range(40 + 9 * j)]}
                for j in range(5)]
     opts = dict(model=str(uneven_dir), num_kv_blocks=20, block_size=8,
                 max_num_batched_tokens=32)
     want = _greedy(LLM(**opts), prompts, 32)
-    llm = LLM(tensor_parallel_size=2, distributed_executor_backend="ray", **opts)
+    llm = LLM(tensor_parallel_size=2, distributed_executor_backend="ray",
+              kv_offload_dir=str(tmp_path / "tier"), **opts)
     try:
         assert _greedy(llm, prompts, 32) == want
         assert llm.stats()["num_preemptions"] > 0
+        # the first prompts' blocks left the pool for the tier's records (both actors'
+        # shards): they come back from there
+        assert llm.engine.tier.flush(30)
+        assert _greedy(llm, prompts, 32) == want
+        assert llm.stats()["tier_hit_tokens"] > 0 and llm.stats()["tier_read_failures"] == 0
+        assert llm.stats()["kv_blocks_used"] == 0
         engine = llm.engine
         engine.add_request("a", {"prompt_token_ids": [5, 6, 7]},
                            SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))

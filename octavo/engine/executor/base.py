@@ -7,16 +7,21 @@ each step's plan to its executor, which runs it on one or several workers (vLLM'
 
 Every executor answers the same calls, in the order the engine makes them: `size_kv_blocks`
 (the fewest blocks any rank fits), `init_kv_cache`, then `execute(plan)` once per step, which
-returns rank 0's RunnerOutput. A worker that dies makes the executor dead for good: the call
-raises WorkerDiedError naming the worker, and so does every later call; `dead` says why.
+returns rank 0's RunnerOutput; under tensor parallelism its `saved_blocks` are every rank's
+shards of the KV tier's blocks joined, and each rank is sent its own slice of the blocks the
+plan loads from the tier (tier_shards.py). A worker that dies makes the executor dead for
+good: the call raises WorkerDiedError naming the worker, and so does every later call; `dead`
+says why.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Any
 
+from octavo.engine.executor.tier_shards import TierShards
 from octavo.model.worker.cache_sizing import KVBlockCounts
 from octavo.model.worker.runner import ModelRunner
 from octavo.step_plan import RunnerOutput, StepPlan
@@ -66,10 +71,10 @@ class Executor(ABC):
         """The runner's drafter (speculative decoding by a model), if it runs in-process."""
         return None if self.runner is None else self.runner.drafter
 
-    def kv_block_format(self) -> str:
-        """What the bytes of one KV block are (dtype and shape): part of the KV tier's
-        fingerprint. The tier runs with the model in this process only."""
-        raise NotImplementedError(f"{type(self).__name__} runs no KV tier")
+    @abstractmethod
+    def kv_block_formats(self) -> list[str]:
+        """What the bytes of one KV block are (dtype and shape) in each rank's KV cache, rank
+        order: part of the KV tier's fingerprint."""
 
     def worker_pids(self) -> list[int]:
         """The workers' processes, in rank order (none: the model runs in this process)."""
@@ -106,9 +111,9 @@ class UniExecutor(Executor):
         assert self.runner is not None
         return self.runner.kernel_path()
 
-    def kv_block_format(self) -> str:
+    def kv_block_formats(self) -> list[str]:
         assert self.runner is not None and self.runner.kv_cache is not None
-        return self.runner.kv_cache.block_format()
+        return [self.runner.kv_cache.block_format()]
 
 
 class RankedExecutor(Executor):
@@ -116,6 +121,8 @@ class RankedExecutor(Executor):
     the transport's), and a worker that dies makes it dead for good (`_fail`)."""
 
     name = "ranks"
+    size: int
+    tier_shards: TierShards | None = None  # each rank's bytes of one block (init_kv_cache)
 
     @abstractmethod
     def _call_all(self, method: str, *args: Any) -> list[Any]:
@@ -132,7 +139,30 @@ class RankedExecutor(Executor):
         return min(counts, key=lambda c: c.num_blocks)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        self._call_all("init_kv_cache", num_blocks, num_host_blocks)
+        sizes = self._call_all("init_kv_cache", num_blocks, num_host_blocks)
+        self.tier_shards = TierShards(tuple(sizes))
+
+    def kv_block_formats(self) -> list[str]:
+        return self._call_all("kv_block_format")
+
+    def _rank_plans(self, plan: StepPlan) -> list[StepPlan] | None:
+        """The plan as each rank gets it where it loads blocks from the KV tier: with only
+        that rank's slice of each record (None: every rank gets the same plan)."""
+        if not plan.tier_loads:
+            return None
+        assert self.tier_shards is not None, "init_kv_cache first"
+        return [replace(plan, tier_loads=loads)
+                for loads in self.tier_shards.split(plan.tier_loads)]
+
+    def _step_output(self, plan: StepPlan, outs: list[RunnerOutput | None]) -> RunnerOutput:
+        """Rank 0's output, with every rank's shards of the plan's tier_saves joined."""
+        out = outs[0]
+        assert out is not None
+        if plan.tier_saves:
+            assert self.tier_shards is not None
+            out.saved_blocks = self.tier_shards.join(
+                [o.saved_blocks if o is not None else [] for o in outs], len(plan.tier_saves))
+        return out
 
     def kernel_path(self) -> dict[str, Any]:
         return {**self._call_all("kernel_path")[0], "executor": self.name}

@@ -182,17 +182,23 @@ class MultiprocExecutor(RankedExecutor):
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
         gb = plan.grammar_bitmask
-        message = pickle.dumps(("execute", (strip_bitmask(plan), self._accepted)))
+        sent = strip_bitmask(plan)
+        rank_plans = self._rank_plans(sent)
+        if rank_plans is None:
+            message = pickle.dumps(("execute", (sent, self._accepted)))
+            messages = [message] * self.size
+        else:  # each rank gets its own slice of the KV tier's loads
+            messages = [pickle.dumps(("execute", (p, self._accepted))) for p in rank_plans]
         self._accepted = {}
         for rank in range(self.size):
-            self._send(rank, message)
+            self._send(rank, messages[rank])
         if gb is not None:  # computed while the workers run the forward; rank 0 samples
             try:
                 grammar: tuple[str, Any] = ("ok", gb.pending.result())
             except Exception as e:  # rank 0 raises it where it samples
                 grammar = ("err", f"{type(e).__name__}: {e}")
             self._send(0, pickle.dumps(grammar))
-        out: RunnerOutput = self._collect()[0]
+        out = self._step_output(plan, self._collect())
         self._accepted = accepted_drafts(plan, out)
         return out
 

@@ -110,12 +110,17 @@ class RayExecutor(RankedExecutor):
         return f"tensor-parallel worker rank {rank}"
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
+        return self._call_each(method, [args] * len(self.actors))
+
+    def _call_each(self, method: str, rank_args: list[tuple[Any, ...]]) -> list[Any]:
+        """Call `method(*rank_args[rank])` of every rank's actor; their results in rank order."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
-        refs = {getattr(a, method).remote(*args): r for r, a in enumerate(self.actors)}
+        refs = {getattr(a, method).remote(*args): r
+                for r, (a, args) in enumerate(zip(self.actors, rank_args, strict=True))}
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         pending = list(refs)
@@ -147,8 +152,13 @@ class RayExecutor(RankedExecutor):
 
         gb = plan.grammar_bitmask
         sent = plan if gb is None else strip_bitmask(plan, ResolvedBitmask(gb.pending.result()))
-        plan_ref = ray.put(sent)
-        out: RunnerOutput = self._call_all("execute", plan_ref, self._accepted)[0]
+        rank_plans = self._rank_plans(sent)
+        if rank_plans is None:
+            plan_ref = ray.put(sent)
+            rank_args = [(plan_ref, self._accepted)] * self.size
+        else:  # each rank gets its own slice of the KV tier's loads
+            rank_args = [(ray.put(p), self._accepted) for p in rank_plans]
+        out = self._step_output(plan, self._call_each("execute", rank_args))
         self._accepted = accepted_drafts(plan, out)
         return out
 

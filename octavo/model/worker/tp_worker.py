@@ -125,11 +125,19 @@ class Worker:
         assert self.runner is not None
         return self.runner.size_kv_blocks()
 
-    def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> int:
+        """Returns the bytes of one block in this rank's KV cache (its shard of a KV tier
+        record: engine/executor/tier_shards.py)."""
         assert self.runner is not None
         self.runner.init_kv_cache(num_blocks, num_host_blocks)
         # start-up is over: a full collection in one rank would stall the whole group
         freeze_gc_heap()
+        assert self.runner.kv_cache is not None
+        return self.runner.kv_cache.block_nbytes
+
+    def kv_block_format(self) -> str:
+        assert self.runner is not None and self.runner.kv_cache is not None
+        return self.runner.kv_cache.block_format()
 
     def kernel_path(self) -> dict[str, Any]:
         assert self.runner is not None
@@ -140,7 +148,8 @@ class Worker:
                 "threads_per_rank": torch.get_num_threads(), "collectives": collectives}
 
     def execute(self, plan: StepPlan, accepted: dict[int, list[int]]) -> RunnerOutput | None:
-        """Rank 0: the step's output; the others compute their part of the forward only."""
+        """Rank 0: the step's output; the others compute their part of the forward only, and
+        return their copies of the plan's KV tier saves (None where it has none)."""
         runner = self.runner
         assert runner is not None
         self.steps += 1
@@ -150,8 +159,8 @@ class Worker:
             state = runner.batch.seqs.get(seq_id)
             if state is not None:
                 state.token_ids.extend(tokens)
-        runner.forward(plan)
-        return None
+        saved = runner.forward(plan).saved_blocks
+        return RunnerOutput(saved_blocks=saved) if saved else None
 
     def collective_stats(self, reset: bool = False) -> dict[str, Any]:
         """This rank's collectives so far (tensor_parallel.CollectiveStats) and its steps."""

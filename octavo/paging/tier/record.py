@@ -2,9 +2,10 @@
 
 A record names the block it holds (its key: the group-qualified chained block hash) and the
 token ids it covers, then carries the KV payload exactly as the runner copied it out of the
-pool. A CRC-32 over everything after the fixed header catches a torn, truncated or flipped
-file; the key and the token ids are compared on every read, so a record in the wrong place, or
-a digest that collides, is refused rather than loaded. Layout (little-endian):
+pool (under tensor parallelism every rank's shard, in rank order: engine/executor/
+tier_shards.py). A CRC-32 over everything after the fixed header catches a torn, truncated or
+flipped file; the key and the token ids are compared on every read, so a record in the wrong
+place, or a digest that collides, is refused rather than loaded. Layout (little-endian):
 
     magic "OKVB" | version u16 | key length u16 | token count u32 | payload length u64 |
     crc32 u32 | key | token ids (int64 each) | payload
