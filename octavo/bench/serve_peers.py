@@ -4,13 +4,16 @@
 the same threads and the same KV cache budget in bytes, and drives it with the same seeded
 open-loop traffic (traffic.py: chat, a ~1,000-token system prompt shared by every request plus
 a ShareGPT-shaped user turn; agent, multi-turn sessions resending their growing history) at a
-rising series of rates, streamed (slo_client.py). Per server, workload and rate it reports
-goodput under the SLO (TTFT p90 <= 2 s and TPOT p90 <= 150 ms unless the flags say otherwise),
-output tok/s, TTFT / TPOT / ITL percentiles, the peak of streams producing tokens at once, the
-server's peak resident memory and, where the server reports cached prompt tokens, the prefix
-cache hit rate. `max_sustained_rate` (req/s) is recorded per server and workload under its
-name (`octavo`, `llama-server`, `vllm`). A server's rate series stops after two rates in a row
-that it did not sustain: higher ones cannot be sustained either and would only queue.
+rising series of rates, streamed (slo_client.py). Every rate gets user turns and sessions of
+its own behind the same system prompts, so a prefix cache never serves one rate's prompts
+from the run before; the system prompts are computed once before the timed runs. Per server,
+workload and rate it reports goodput under the SLO (TTFT p90 <= 2 s and TPOT p90 <= 150 ms
+unless the flags say otherwise), output tok/s, TTFT / TPOT / ITL percentiles, the peak of
+streams producing tokens at once, the server's peak resident memory and, where the server
+reports cached prompt tokens, the prefix cache hit rate. `max_sustained_rate` (req/s) is
+recorded per server and workload under its name (`octavo`, `llama-server`, `vllm`). A
+server's rate series stops after two rates in a row that it did not sustain: higher ones
+cannot be sustained either and would only queue.
 
 After each workload octavo's /metrics must show no KV block in use (every block back in the
 pool); the number is recorded.
@@ -58,7 +61,11 @@ class RSSPeak:
         return self.peak_kb
 
 
-def traffics(opts: BenchOptions, vocab: int, max_model_len: int) -> list[traffic.Traffic]:
+def traffics(opts: BenchOptions, vocab: int, max_model_len: int,
+             turn_seed: int | None = None) -> list[traffic.Traffic]:
+    """The workloads; `turn_seed` draws fresh user turns and sessions behind the same system
+    prompts (each offered rate gets its own, so no rate's prompts are cached by the one
+    before)."""
     names = opts.workloads or ["chat", "agent"]
     unknown = set(names) - {"chat", "agent"}
     if unknown:
@@ -68,7 +75,7 @@ def traffics(opts: BenchOptions, vocab: int, max_model_len: int) -> list[traffic
         out.append(traffic.chat(
             opts.num_requests or opts.pick(6, 48), system_len=opts.pick(48, 1000),
             mean_in=opts.pick(16, 161), mean_out=opts.pick(8, 96), max_out=opts.pick(16, 192),
-            max_model_len=max_model_len, vocab=vocab, seed=opts.seed))
+            max_model_len=max_model_len, vocab=vocab, seed=opts.seed, turn_seed=turn_seed))
     if "agent" in names:
         n = opts.num_requests or opts.pick(6, 48)
         turns = opts.pick(2, 4)
@@ -77,7 +84,7 @@ def traffics(opts: BenchOptions, vocab: int, max_model_len: int) -> list[traffic
             first_len=opts.pick(16, 200), mean_tool=opts.pick(16, 150),
             mean_out=opts.pick(8, 64), max_out=opts.pick(16, 128),
             mean_think_s=opts.pick(0, 1) * 0.5, max_model_len=max_model_len, vocab=vocab,
-            seed=opts.seed + 1))
+            seed=opts.seed + 1, turn_seed=None if turn_seed is None else turn_seed + 1))
     return out
 
 
@@ -99,14 +106,16 @@ def _warm(url: str, vocab: int, loads: list[traffic.Traffic]) -> None:
 
 
 def drive(name: str, server: peer_servers.Server, opts: BenchOptions,
-          loads: list[traffic.Traffic], rates: list[float], slo: SLO, vocab: int,
+          loads_by_rate: list[list[traffic.Traffic]], rates: list[float], slo: SLO, vocab: int,
           idle: Callable[[], dict] | None = None) -> list[dict]:
-    """Run every workload at each rate against a ready server; one row per (workload, rate)."""
+    """Run every workload at each rate against a ready server; one row per (workload, rate).
+    loads_by_rate[i]: the workloads offered at rates[i] (fresh turns per rate)."""
     rows: list[dict] = []
-    _warm(server.url, vocab, loads)
-    for load in loads:
+    _warm(server.url, vocab, loads_by_rate[0])
+    for w in range(len(loads_by_rate[0])):
         misses = 0
         for i, rate in enumerate(rates):
+            load = loads_by_rate[i][w]
             rss = RSSPeak(server.proc.pid)
             timings, duration = run_traffic(server.url, peer_servers.SERVED_NAME, load, rate,
                                             seed=opts.seed + i, timeout_s=opts.pick(120, 900))
@@ -151,7 +160,9 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     kv_bytes = (opts.kv_budget_mib or opts.pick(4, 256)) * 2**20
     slo = SLO(opts.slo_ttft_ms / 1e3, opts.slo_tpot_ms / 1e3)
     rates = opts.rates or list(QUICK_RATES if opts.quick else FULL_RATES)
-    loads = traffics(opts, vocab, max_model_len)
+    loads_by_rate = [traffics(opts, vocab, max_model_len, turn_seed=opts.seed + 1000 * (i + 1))
+                     for i in range(len(rates))]
+    loads = loads_by_rate[0]
     skipped: dict[str, str] = {}
     rows: list[dict] = []
     rss_idle: dict[str, float] = {}
@@ -162,7 +173,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         try:
             server.wait_ready(opts.pick(180, 900))
             rss_idle["octavo"] = peer_servers.tree_rss_kb(server.proc.pid) / 1024
-            rows += drive("octavo", server, opts, loads, rates, slo, vocab, server.wait_idle)
+            rows += drive("octavo", server, opts, loads_by_rate, rates, slo, vocab,
+                          server.wait_idle)
         finally:
             server.stop()
         # llama-server
@@ -180,7 +192,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                 opts.llama_server, gguf, kv_bytes=kv_bytes, bytes_per_token=bpt,
                 slots=opts.llama_slots, threads=opts.threads, cpus=opts.cpus,
                 log=Path(tmp) / "llama.log")
-            rows += _run_peer("llama-server", peer, opts, loads, rates, slo, vocab, skipped,
+            rows += _run_peer("llama-server", peer, opts, loads_by_rate, rates, slo, vocab, skipped,
                               rss_idle)
         # vLLM
         why = peer_servers.vllm_available(opts.peer_python)
@@ -191,7 +203,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                 str(opts.peer_python), opts.peer_hf_dir or str(model_dir), kv_bytes=kv_bytes,
                 max_model_len=max_model_len, dtype=opts.peer_dtype, threads=opts.threads,
                 cpus=opts.cpus, log=Path(tmp) / "vllm.log", seed=opts.seed)
-            rows += _run_peer("vllm", peer, opts, loads, rates, slo, vocab, skipped, rss_idle)
+            rows += _run_peer("vllm", peer, opts, loads_by_rate, rates, slo, vocab, skipped,
+                              rss_idle)
     best = {s: {load.name: max_sustained_rate(
         [r for r in rows if r["server"] == s and r["workload"] == load.name])
         for load in loads} for s in SERVERS if s not in skipped}
@@ -202,6 +215,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         "model": opts.model or "SmolLM2-135M-Instruct", "dtype": opts.dtypes[0],
         "engine_overrides": opts.engine_overrides, "peer_gguf": gguf,
         "peer_hf_dir": opts.peer_hf_dir, "peer_dtype": opts.peer_dtype,
+        # each rate's turns are drawn afresh behind the same system prompts: the first rate's
         "workloads": [load.describe() for load in loads],
     }
     results = {"rows": rows, "max_sustained_rate": best, "skipped": skipped,
@@ -211,7 +225,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
 
 
 def _run_peer(name: str, peer: peer_servers.Launched, opts: BenchOptions,
-              loads: list[traffic.Traffic], rates: list[float], slo: SLO, vocab: int,
+              loads_by_rate: list[list[traffic.Traffic]], rates: list[float], slo: SLO,
+              vocab: int,
               skipped: dict[str, str], rss_idle: dict[str, float]) -> list[dict]:
     try:
         try:
@@ -220,7 +235,7 @@ def _run_peer(name: str, peer: peer_servers.Launched, opts: BenchOptions,
             skipped[name] = f"failed to start: {e}"
             return []
         rss_idle[name] = peer_servers.tree_rss_kb(peer.proc.pid) / 1024
-        return drive(name, peer, opts, loads, rates, slo, vocab)
+        return drive(name, peer, opts, loads_by_rate, rates, slo, vocab)
     finally:
         peer.stop()
 

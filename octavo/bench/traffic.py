@@ -84,14 +84,18 @@ def _length(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> 
 
 def chat(num_requests: int, *, system_len: int = 1000, mean_in: float = 161,
          mean_out: float = 128, max_out: int = 256, max_model_len: int = 2048,
-         vocab: int = 49152, seed: int = 0) -> Traffic:
+         vocab: int = 49152, seed: int = 0, turn_seed: int | None = None) -> Traffic:
     """One-turn sessions: a shared system prompt plus a ShareGPT-shaped user turn (lognormal,
-    sigma 1.0 in, 0.8 out; outputs capped at `max_out`, prompt + output within the context)."""
+    sigma 1.0 in, 0.8 out; outputs capped at `max_out`, prompt + output within the context).
+    `turn_seed`: draw the user turns from their own seed, the system prompt still from `seed`
+    (fresh turns behind the same system prompt, e.g. one set per offered rate)."""
     if system_len + 8 >= max_model_len:
         raise ValueError(f"system prompt of {system_len} tokens leaves no room in a "
                          f"{max_model_len}-token context")
     rng = random.Random(seed)
     system = _ids(rng, system_len, vocab)
+    if turn_seed is not None:
+        rng = random.Random(turn_seed)
     sessions = []
     for _ in range(num_requests):
         room = max_model_len - system_len
@@ -99,19 +103,23 @@ def chat(num_requests: int, *, system_len: int = 1000, mean_in: float = 161,
         out = _length(rng, mean_out, 0.8, 1, min(max_out, room - user))
         sessions.append((Turn(system + _ids(rng, user, vocab), out),))
     return Traffic("chat", tuple(sessions), max_model_len,
-                   {"seed": seed, "system_len": system_len, "mean_in": mean_in,
+                   {"seed": seed, "turn_seed": turn_seed, "system_len": system_len,
+                    "mean_in": mean_in,
                     "mean_out": mean_out, "max_out": max_out})
 
 
 def agent(num_sessions: int, *, turns: int = 4, system_len: int = 1000, first_len: int = 200,
           mean_tool: float = 150, mean_out: float = 96, max_out: int = 192,
           mean_think_s: float = 0.5, max_model_len: int = 4096, vocab: int = 49152,
-          seed: int = 0) -> Traffic:
+          seed: int = 0, turn_seed: int | None = None) -> Traffic:
     """Sessions of up to `turns` turns resending their growing history: system prompt (tool
     schemas, shared by every session) + the task, then per turn the previous answer and a tool
-    result (lognormal, sigma 0.8). A session ends early when its next turn would not fit."""
+    result (lognormal, sigma 0.8). A session ends early when its next turn would not fit.
+    `turn_seed`: as in chat()."""
     rng = random.Random(seed)
     system = _ids(rng, system_len, vocab)
+    if turn_seed is not None:
+        rng = random.Random(turn_seed)
     sessions = []
     for _ in range(num_sessions):
         history = system + _ids(rng, first_len, vocab)
@@ -129,6 +137,7 @@ def agent(num_sessions: int, *, turns: int = 4, system_len: int = 1000, first_le
                              f"tokens) does not fit a {max_model_len}-token context")
         sessions.append(tuple(session))
     return Traffic("agent", tuple(sessions), max_model_len,
-                   {"seed": seed, "turns": turns, "system_len": system_len,
+                   {"seed": seed, "turn_seed": turn_seed, "turns": turns,
+                    "system_len": system_len,
                     "first_len": first_len, "mean_tool": mean_tool, "mean_out": mean_out,
                     "max_out": max_out, "mean_think_s": mean_think_s})

@@ -30,6 +30,21 @@ def test_traffic_is_seeded_and_shaped() -> None:
     assert starts == sorted(starts) and agent.session_starts(math.inf, 0) == [0.0] * 5
 
 
+def test_fresh_turns_behind_the_same_system_prompt() -> None:
+    """Each offered rate gets its own turns (a prefix cache cannot serve one rate's prompts
+    from the run before), behind the one system prompt every rate shares."""
+    for make in (lambda ts: traffic.chat(8, system_len=32, max_model_len=512, seed=3,
+                                          turn_seed=ts),
+                 lambda ts: traffic.agent(3, system_len=32, max_model_len=512, seed=3,
+                                          turn_seed=ts)):
+        a, b, a2 = make(1000), make(2000), make(1000)
+        assert a == a2
+        first = {s[0].prompt_token_ids[:32] for t in (a, b) for s in t.sessions}
+        assert len(first) == 1  # one system prompt
+        assert ({s[0].prompt_token_ids for s in a.sessions}
+                .isdisjoint(s[0].prompt_token_ids for s in b.sessions))
+
+
 def test_slo_summary() -> None:
     def t(ttft: float, latency: float, n: int = 11, error: str | None = None) -> Timing:
         return Timing(0, 0, 10, n, sent=0.0, ttft=ttft, latency=latency, output_tokens=n,
