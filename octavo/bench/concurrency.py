@@ -1,12 +1,12 @@
 """How many requests run at once on one KV budget: paged versus contiguous reservation.
 
-The claim paging makes is about memory, so it is measured where memory decides: the simulated
-scheduler replays one ShareGPT-like trace (all requests at once) through each allocator at the
-same budget and counts running sequences while requests are still queued (the memory-bound
-regime; the drain tail, when one long request runs alone, is not concurrency the allocator
-chose). Throughput there is requests finished per 1000 decode steps, proportional to requests/s
-when a step costs about the same (it does not quite: bigger batches take longer per step, which
-is why the full run also runs the real engine).
+The claim paging makes is about memory, so it is measured where memory decides: the engine's
+scheduler, with no model (sim.py), replays one ShareGPT-like trace (all requests at once)
+through each allocator at the same budget and counts running sequences while requests are
+still queued (the memory-bound regime; the drain tail, when one long request runs alone, is not
+concurrency the allocator chose). Throughput there is requests finished per 1000 decode steps,
+proportional to requests/s when a step costs about the same (it does not quite: bigger batches
+take longer per step, which is why the full run also runs the real engine with its model).
 
 Full runs confirm on the engine with the embedded model at a small KV budget, using
 LLM(kv_allocator=..., kv_cache_memory_bytes=...) and stats()["peak_running_seqs"].

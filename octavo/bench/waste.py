@@ -1,7 +1,8 @@
 """Where KV memory goes: live tokens versus internal, reservation and external waste.
 
-Model-free: the traces are replayed through octavo's own allocators by the simulated scheduler
-(sim.py), so the accounting is exactly the engine's (waste.py / WasteTracker). Compared: one
+Model-free: the engine's scheduler replays the traces through octavo's own allocators with no
+model (sim.py), so admission, preemption and the accounting are exactly the engine's (waste.py /
+WasteTracker). Compared: one
 contiguous buffer reserved for max_model_len (Orca-Max / FasterTransformer style), one reserved
 for prompt + max_tokens (an oracle-ish Orca that knows max_tokens), and paging at block sizes
 1-256. The headline is the share of *occupied* KV memory (everything but usable free slots)
@@ -105,7 +106,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
            f"{max(r['max_seq_slots'] for r in paged16)}."]
     config = {"kv_tokens": KV_TOKENS, "block_sizes": BLOCK_SIZES, "arrivals": arrivals,
               "window": WINDOW,
-              "traces": [wl.describe() for wl in traces(opts)], "watermark": 0.01}
+              "traces": [wl.describe() for wl in traces(opts)]}
     res = BenchResult("waste", opts.command, config, rows, "\n".join(md),
                       elapsed_s=time.perf_counter() - t0)
     return res, plot

@@ -52,7 +52,7 @@ def test_workloads_are_seeded_and_shaped() -> None:
 
 
 def test_simulated_paging_finishes_every_request() -> None:
-    wl = workloads.sharegpt(120, seed=1)
+    wl = workloads.sharegpt(60, seed=1)
     for kind in ("contiguous-max", "contiguous-request", "paged"):
         r = simulate(wl, kind, kv_tokens=8192, block_size=16)
         assert r.completed == len(wl)
@@ -65,7 +65,9 @@ def test_cli_has_bench_subcommand() -> None:
 
 
 def test_waste_quick(tmp_path: Path) -> None:
-    assert bench_main(["waste", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+    # fewer requests than --quick's: the replay runs the engine's scheduler, which is slower
+    argv = ["waste", "--quick", "--num-requests", "60", "--threads", "1", "--out", str(tmp_path)]
+    assert bench_main(argv) == 0
     rows = _files(tmp_path, "waste")["results"]
     paged16 = [r for r in rows if r["allocator"] == "paged" and r["block_size"] == 16]
     assert paged16 and all(1 - r["waste_of_used"]["live"]["mean"] < 0.04 for r in paged16)
@@ -74,7 +76,9 @@ def test_waste_quick(tmp_path: Path) -> None:
 
 
 def test_concurrency_quick(tmp_path: Path) -> None:
-    assert bench_main(["concurrency", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+    argv = ["concurrency", "--quick", "--num-requests", "200", "--threads", "1", "--out",
+            str(tmp_path)]
+    assert bench_main(argv) == 0
     assert _files(tmp_path, "concurrency")["results"]["paged_vs_contiguous_max"] >= 4
 
 
