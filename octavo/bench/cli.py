@@ -89,6 +89,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="offered request rates (req/s), rising")
     s.add_argument("--cpus", default=None,
                    help="CPU list every server is pinned to with taskset, e.g. 0-1")
+    s.add_argument("--servers", nargs="+", default=[],
+                   help="run only these of octavo, llama-server, vllm (default: all three)")
     g = p.add_argument_group(
         "engine overrides", "applied to every octavo engine a benchmark builds, over the "
         "benchmark's own settings (model, dtype and seed are the flags above; the allocators "
@@ -109,7 +111,7 @@ def options(args: argparse.Namespace, argv: list[str]) -> BenchOptions:
                         peer_gguf=args.peer_gguf, peer_hf_dir=args.peer_hf_dir,
                         peer_dtype=args.peer_dtype, kv_budget_mib=args.kv_budget_mib,
                         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                        rates=args.rates or [], cpus=args.cpus,
+                        rates=args.rates or [], cpus=args.cpus, servers=args.servers,
                         engine_overrides=engine_args.cli_overrides(args, BENCH_OWNED))
 
 

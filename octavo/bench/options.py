@@ -30,6 +30,7 @@ class BenchOptions:
     slo_tpot_ms: float = 150.0
     rates: list[float] = field(default_factory=list)
     cpus: str | None = None  # taskset CPU list every server is pinned to
+    servers: list[str] = field(default_factory=list)  # serve-peers: only these (empty: all)
     threads: int = 1  # torch threads here and in the server / peer subprocesses
     command: str = ""  # the command line, recorded next to every result
     # engine options given on the command line, over each benchmark's own (EngineArgs names)

@@ -160,7 +160,7 @@ def start_vllm(python: str, model_dir: str, *, kv_bytes: int, max_model_len: int
                   "--dtype", dtype, "--max-model-len", str(max_model_len), "--host",
                   "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
                   "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                  "--seed", str(seed), "--disable-log-requests"], cpus)
+                  "--seed", str(seed)], cpus)  # requests are not logged by default
     gib = max(1, round(kv_bytes / 2**30))  # vLLM's CPU KV space is whole GiB
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(gib),
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",

@@ -166,20 +166,30 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     skipped: dict[str, str] = {}
     rows: list[dict] = []
     rss_idle: dict[str, float] = {}
+    unknown = set(opts.servers) - set(SERVERS)
+    if unknown:
+        raise ValueError(f"--servers: one of {', '.join(SERVERS)}, not {sorted(unknown)}")
+    wanted = opts.servers or list(SERVERS)
+    for name in SERVERS:
+        if name not in wanted:
+            skipped[name] = "not run: left out by --servers"
+    gguf = opts.peer_gguf or (None if opts.model else str(find_embedded_gguf()))
     with tempfile.TemporaryDirectory() as tmp:
         # octavo
-        server = ServerProcess(opts, Path(tmp) / "octavo.log",
-                               octavo_flags(opts, kv_bytes, max_model_len))
-        try:
-            server.wait_ready(opts.pick(180, 900))
-            rss_idle["octavo"] = peer_servers.tree_rss_kb(server.proc.pid) / 1024
-            rows += drive("octavo", server, opts, loads_by_rate, rates, slo, vocab,
-                          server.wait_idle)
-        finally:
-            server.stop()
+        if "octavo" in wanted:
+            server = ServerProcess(opts, Path(tmp) / "octavo.log",
+                                   octavo_flags(opts, kv_bytes, max_model_len))
+            try:
+                server.wait_ready(opts.pick(180, 900))
+                rss_idle["octavo"] = peer_servers.tree_rss_kb(server.proc.pid) / 1024
+                rows += drive("octavo", server, opts, loads_by_rate, rates, slo, vocab,
+                              server.wait_idle)
+            finally:
+                server.stop()
         # llama-server
-        gguf = opts.peer_gguf or (None if opts.model else str(find_embedded_gguf()))
-        if not opts.llama_server or not Path(opts.llama_server).exists():
+        if "llama-server" not in wanted:
+            pass
+        elif not opts.llama_server or not Path(opts.llama_server).exists():
             skipped["llama-server"] = ("skipped: no llama-server binary (--llama-server PATH)"
                                        if not opts.llama_server else
                                        f"skipped: {opts.llama_server} does not exist")
@@ -195,8 +205,10 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
             rows += _run_peer("llama-server", peer, opts, loads_by_rate, rates, slo, vocab, skipped,
                               rss_idle)
         # vLLM
-        why = peer_servers.vllm_available(opts.peer_python)
-        if why is not None:
+        why = peer_servers.vllm_available(opts.peer_python) if "vllm" in wanted else None
+        if "vllm" not in wanted:
+            pass
+        elif why is not None:
             skipped["vllm"] = f"skipped: {why}"
         else:
             peer = peer_servers.start_vllm(

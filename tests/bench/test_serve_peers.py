@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from octavo.bench import traffic
 from octavo.bench.cli import main as bench_main
 from octavo.bench.slo_client import SLO, Timing, max_sustained_rate, peak_overlap, summarize
@@ -86,3 +88,17 @@ def test_serve_peers_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -
     assert set(res["max_sustained_rate"]["octavo"]) == {"chat", "agent"}
     md = (tmp_path / "serve-peers.md").read_text()
     assert "llama-server: skipped" in md and "vllm: skipped" in md
+
+
+def test_servers_picks_a_subset(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--servers runs only the servers named: here none that can start, so no rows, and each
+    server left out says why."""
+    argv = ["serve-peers", "--quick", "--threads", "1", "--model", str(tiny_llama_dir),
+            "--out", str(tmp_path), "--servers", "llama-server"]
+    assert bench_main(argv) == 0
+    res = json.loads((tmp_path / "serve-peers.json").read_text())["results"]
+    assert res["rows"] == [] and res["max_sustained_rate"] == {}
+    assert res["skipped"]["octavo"] == res["skipped"]["vllm"] == "not run: left out by --servers"
+    assert res["skipped"]["llama-server"].startswith("skipped: no llama-server binary")
+    with pytest.raises(ValueError, match="--servers"):
+        bench_main([*argv[:-1], "sglang"])
