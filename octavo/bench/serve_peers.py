@@ -227,7 +227,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         "model": opts.model or "SmolLM2-135M-Instruct", "dtype": opts.dtypes[0],
         "engine_overrides": opts.engine_overrides, "peer_gguf": gguf,
         "peer_hf_dir": opts.peer_hf_dir, "peer_dtype": opts.peer_dtype,
-        # each rate's turns are drawn afresh behind the same system prompts: the first rate's
+        # the first rate's workloads (every rate draws its turns afresh behind the same
+        # system prompts)
         "workloads": [load.describe() for load in loads],
     }
     results = {"rows": rows, "max_sustained_rate": best, "skipped": skipped,
