@@ -146,10 +146,7 @@ def quality_part(opts: BenchOptions, texts: list[str], continuation: int) -> dic
 
 def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
     t0 = time.perf_counter()
-    parts = opts.workloads or list(PARTS)
-    if set(parts) - set(PARTS):
-        raise ValueError(f"kvquant --workload: one of {', '.join(PARTS)}, not "
-                         f"{sorted(set(parts) - set(PARTS))}")
+    parts = opts.parts("kvquant", PARTS)
     continuation = opts.pick(32, CONTINUATION)
     texts = PROMPTS[:opts.pick(4, len(PROMPTS))]
     results: dict[str, Any] = {"quality": {}, "speed": []}

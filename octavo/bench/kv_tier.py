@@ -133,10 +133,7 @@ PARTS = ("restart", "load")
 
 def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     t0 = time.perf_counter()
-    parts = opts.workloads or list(PARTS)
-    if set(parts) - set(PARTS):
-        raise ValueError(f"kv_tier --workload: one of {', '.join(PARTS)}, not "
-                         f"{sorted(set(parts) - set(PARTS))}")
+    parts = opts.parts("kv_tier", PARTS)
     vocab, tiny = model_shape(opts)
     prefix_len = 256 if tiny else opts.pick(1024, 4096)
     repeats = opts.reps(1, 3)

@@ -41,3 +41,10 @@ class BenchOptions:
 
     def reps(self, quick: int, full: int) -> int:
         return self.repeats if self.repeats is not None else self.pick(quick, full)
+
+    def parts(self, bench: str, names: tuple[str, ...]) -> list[str]:
+        """The parts of `bench` that --workload names (all of `names` when it names none)."""
+        unknown = sorted(set(self.workloads) - set(names))
+        if unknown:
+            raise ValueError(f"{bench} --workload: one of {', '.join(names)}, not {unknown}")
+        return self.workloads or list(names)
