@@ -99,6 +99,11 @@ class EngineArgs:
         "layer and KV head: the checkpoint's k_scale/v_scale, else from a calibration prompt "
         "at start-up); 8-bit pages hold about twice the tokens of bf16 ones",
         choices=KV_CACHE_DTYPES)
+    kv_smooth_keys: bool = _opt(
+        True, "int8 / fp8 KV pages: keys centred on their per-channel mean from the "
+        "calibration prompt and rotated by a Hadamard matrix (queries alike) before they are "
+        "quantized; exact but for rounding, and it keeps a model's few large key channels "
+        "from setting every scale (off: keys quantized as computed)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of identical prompt prefixes")
     num_state_slots: int | None = _opt(
         None, "models with recurrent layers: state slots, one per running sequence plus those "

@@ -198,8 +198,10 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.kv_quant is not None:
-            o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale,
-                                window=self.window, softcap=self.softcap, kv=self.kv_quant)
+            q, k, v = self.kv_quant.smooth(q, k, v)  # key smoothing (kv_smoothing.py), if any
+            o = self.kv_quant.unsmooth(backend.forward(
+                q, k, v, k_cache, v_cache, meta, self.scale, window=self.window,
+                softcap=self.softcap, kv=self.kv_quant))
         elif self.window is None and self.softcap is None:
             o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         else:

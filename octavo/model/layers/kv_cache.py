@@ -44,9 +44,9 @@ class KVCache:
         fmt: KVFormat | None = None,
         scales_id: str = "",
     ) -> None:
-        """`scales_id`: names the per-layer scales an fp8 cache's values were divided by (a
-        digest of them), for `block_format`: the same bytes under other scales are other
-        values."""
+        """`scales_id`: names what decided a quantized cache's bytes beyond its format (a
+        digest of an fp8 cache's per-layer scales and of the key smoothing's offsets and
+        rotation), for `block_format`: the same bytes under other scales are other values."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.groups = groups = config.kv_groups

@@ -16,6 +16,8 @@ read back.
 The arithmetic below is the definition every kernel (C++, Triton) reproduces bit for bit:
   int8: s = max(amax_d |x_d|, 1e-12) / 127, q_d = rint(x_d / s) in [-127, 127], x_d ~ q_d * s
   fp8:  y_d = fp8(clamp(x_d / scale_h, -max, max)) (round to nearest even), x_d ~ y_d * scale_h
+With `kv_smooth_keys` (kv_smoothing.py) the keys a layer hands its backend are already centred
+and rotated, and the queries and values rotated alike; the arithmetic here does not change.
 Quantization is per token: the bytes stored for a token depend on that token's K (V) alone,
 never on the batch, the chunk or the step it was computed in. Attention always reads what is
 stored, the current chunk's own tokens included.
@@ -26,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from octavo.model.layers.kv_smoothing import smooth_qkv, unrotate
 
 INT8_QMAX = 127.0
 INT8_SCALE_BYTES = 4  # the fp32 scale after each row's values
@@ -77,11 +81,23 @@ def kv_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
 class KVQuant:
     """What an attention layer hands its backend about its quantized pages: the format and,
     for fp8, the layer's scales ([num_kv_heads] float32, on the cache's device; None for
-    int8, whose scales are in the pages)."""
+    int8, whose scales are in the pages). `k_offset` and `rotation`: the layer's key smoothing
+    (kv_smoothing.py), applied by the layer to q and k before the backend sees them."""
 
     fmt: KVFormat
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    k_offset: torch.Tensor | None = None  # [num_kv_heads, head_dim] float32
+    rotation: torch.Tensor | None = None  # [head_dim, head_dim] float32, orthonormal
+
+    def smooth(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v as this layer's pages expect them (kv_smoothing.smooth_qkv)."""
+        return smooth_qkv(q, k, v, self.k_offset, self.rotation)
+
+    def unsmooth(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention output over smoothed values, turned back (kv_smoothing.unrotate)."""
+        return unrotate(o, self.rotation)
 
     def __post_init__(self) -> None:
         if self.fmt.is_fp8 and (self.k_scale is None or self.v_scale is None):

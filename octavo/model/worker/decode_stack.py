@@ -113,5 +113,8 @@ def build_decode_stack(model: nn.Module, backend: Any, kv_groups: Any,
     quant = [layer.self_attn.kv_quant for layer in model.layers]
     if quant[0] is not None and quant[0].fmt.is_fp8:  # int8 pages carry their scales
         stack.set_kv_scales([q.k_scale for q in quant], [q.v_scale for q in quant])
+    if quant[0] is not None and (quant[0].k_offset is not None or quant[0].rotation is not None):
+        offsets = [q.k_offset for q in quant]
+        stack.set_key_smoothing([] if offsets[0] is None else offsets, quant[0].rotation)
     logger.info("decode steps run their %d layers in one C++ loop", stack.num_layers())
     return stack

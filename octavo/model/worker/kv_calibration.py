@@ -1,4 +1,5 @@
-"""The per-layer scales of fp8 KV pages (kv_quant.py), decided once at start-up.
+"""The per-layer parameters of quantized KV pages (kv_quant.py), decided once at start-up: the
+scales of fp8 pages, and the key smoothing (kv_smoothing.py) of int8 and fp8 pages.
 
 Where the checkpoint carries them (vLLM's fp8 checkpoints: `model.layers.N.self_attn.k_scale`
 and `v_scale`, one per tensor, or the older single `kv_scale`) they are used as they are.
@@ -6,13 +7,17 @@ Otherwise they come from a calibration prompt, as vLLM's `calculate_kv_scales` d
 forward pass of CALIBRATION_TEXT with the KV cache in the model dtype records, per layer and KV
 head, the largest |K| and |V|, and the scale is that over vLLM's ranges (K / 200, V / 100 for
 e4m3's maximum of 448: 2.2x and 4.5x of headroom for keys and values larger than the prompt's,
-which fp8's exponent pays for with little precision). The pass sees only this rank's KV heads,
-so under tensor parallelism the scales are sharded with the heads by construction.
+which fp8's exponent pays for with little precision). The same pass gives the key smoothing its
+per-channel key means, and the fp8 scales are then taken from the smoothed keys and values.
+Checkpoint scales describe K and V as computed, so with them nothing is smoothed. The pass sees
+only this rank's KV heads, so under tensor parallelism scales and means are sharded with the
+heads by construction.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +27,7 @@ from torch import nn
 from octavo.config import ModelConfig
 from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
 from octavo.model.layers.kv_cache import KVCache
+from octavo.model.layers.kv_smoothing import hadamard, rotatable, smooth_qkv
 from octavo.model.worker.profile_run import prefill_meta
 
 logger = logging.getLogger(__name__)
@@ -88,44 +94,67 @@ def _per_head(t: torch.Tensor, heads: int, name: str) -> torch.Tensor:
     raise ValueError(f"{name} has {t.numel()} values; expected 1 or one per KV head ({heads})")
 
 
+@dataclass(frozen=True, slots=True)
+class LayerCalibration:
+    """One layer's KV quantization parameters (kv_quant.KVQuant's): the fp8 scales ([num_kv_heads]
+    float32 each; set from the keys as stored, i.e. after smoothing) and the key smoothing
+    (kv_smoothing.py; None where off)."""
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_offset: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
+
+
 class _Recorder(AttentionBackend):
-    """The backend, recording each layer's largest |K| and |V| per KV head as it goes."""
+    """The backend, recording each layer's calibration from the K and V it is given."""
 
     name = "calibration"
 
-    def __init__(self, inner: AttentionBackend) -> None:
+    def __init__(self, inner: AttentionBackend, smooth: bool) -> None:
         self.inner = inner
-        self.amax: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.smooth = smooth
+        self.layers: list[LayerCalibration] = []
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window=None, softcap=None, kv=None):
-        self.amax.append((k.float().abs().amax(dim=(0, 2)), v.float().abs().amax(dim=(0, 2))))
+        offset = rotation = None
+        if self.smooth:
+            # centring moves every score of a query alike, which a soft cap does not allow
+            offset = k.float().mean(0) if softcap is None else None
+            rotation = hadamard(k.shape[-1]).to(k.device) if rotatable(k.shape[-1]) else None
+        _, ks, vs = smooth_qkv(q, k.float(), v.float(), offset, rotation)
+        self.layers.append(LayerCalibration(
+            (ks.abs().amax(dim=(0, 2)) / K_RANGE).clamp_min(1e-8),
+            (vs.abs().amax(dim=(0, 2)) / V_RANGE).clamp_min(1e-8), offset, rotation))
         return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
 
 @torch.inference_mode()
-def calibrate_kv_scales(model: nn.Module, config: ModelConfig, backend: AttentionBackend,
-                        token_ids: list[int], block_size: int, dtype: torch.dtype,
-                        device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's (k_scale, v_scale), [num_kv_heads] float32 each, from one forward pass of
-    `token_ids` (the layers must not quantize their KV yet). `config`: what this rank holds."""
+def calibrate_kv(model: nn.Module, config: ModelConfig, backend: AttentionBackend,
+                 token_ids: list[int], block_size: int, dtype: torch.dtype,
+                 device: torch.device, smooth: bool) -> list[LayerCalibration]:
+    """Every layer's calibration from one forward pass of `token_ids` (the layers must not
+    quantize their KV yet): key smoothing where `smooth`, and the fp8 scales of the keys as
+    smoothed. `config`: what this rank holds, so the KV heads are this rank's."""
     n = len(token_ids)
     blocks = -(-n // block_size)
     cache = KVCache(config, blocks, block_size, dtype, device)
     metas = [prefill_meta([n], blocks, block_size, device) for _ in config.kv_groups.windows]
-    recorder = _Recorder(backend)
+    recorder = _Recorder(backend, smooth)
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     model(ids, torch.arange(n, device=device), cache, metas, recorder,
           torch.tensor([n - 1], device=device))
-    if len(recorder.amax) != config.num_layers:
-        raise RuntimeError(f"calibration saw {len(recorder.amax)} attention calls for "
+    if len(recorder.layers) != config.num_layers:
+        raise RuntimeError(f"calibration saw {len(recorder.layers)} attention calls for "
                            f"{config.num_layers} layers")
-    scales = [((k / K_RANGE).clamp_min(1e-8), (v / V_RANGE).clamp_min(1e-8))
-              for k, v in recorder.amax]
-    logger.info("fp8 KV scales from a %d-token calibration prompt: K %.3g..%.3g, V %.3g..%.3g",
-                n, min(float(k.min()) for k, _ in scales), max(float(k.max()) for k, _ in scales),
-                min(float(v.min()) for _, v in scales), max(float(v.max()) for _, v in scales))
-    return scales
+    ks = [c.k_scale for c in recorder.layers]
+    vs = [c.v_scale for c in recorder.layers]
+    logger.info("KV calibration on a %d-token prompt (keys %s): fp8 scales K %.3g..%.3g, "
+                "V %.3g..%.3g", n, "smoothed" if smooth else "as computed",
+                min(float(k.min()) for k in ks), max(float(k.max()) for k in ks),
+                min(float(v.min()) for v in vs), max(float(v.max()) for v in vs))
+    return recorder.layers
 
 
 def calibration_token_ids(model_dir: Path) -> list[int]:

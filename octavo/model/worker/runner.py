@@ -21,6 +21,7 @@ from octavo.engine_args import EngineArgs
 from octavo.model.dtype_policy import DTYPES
 from octavo.model.kernel_config import resolve_kernel_config
 from octavo.model.layers.attention import get_backend
+from octavo.model.layers.decoder import Attention
 from octavo.model.layers.kv_cache import KVCache
 from octavo.model.layers.kv_quant import KVFormat, KVQuant, kv_format
 from octavo.model.layers.linear import PackedLinear
@@ -42,7 +43,8 @@ from octavo.model.worker.decode_stack import build_decode_stack
 from octavo.model.worker.device import bind_device
 from octavo.model.worker.input_batch import InputBatch
 from octavo.model.worker.kv_calibration import (
-    calibrate_kv_scales,
+    LayerCalibration,
+    calibrate_kv,
     calibration_token_ids,
     checkpoint_kv_scales,
 )
@@ -251,39 +253,59 @@ class ModelRunner:
             self.graphs.capture_all()
 
     def _quantize_kv(self) -> str:
-        """Every attention layer writes and reads quantized pages from now on; fp8 layers get
-        their scales from the checkpoint or a calibration prompt (kv_calibration.py). Returns
-        a digest of the fp8 scales ("" for int8, whose scales are in the pages)."""
+        """Every attention layer writes and reads quantized pages from now on. fp8 layers get
+        their scales from the checkpoint or a calibration prompt (kv_calibration.py), and, with
+        `kv_smooth_keys`, int8 and fp8 layers get their key smoothing from the same prompt
+        (kv_smoothing.py). Returns a digest of everything that decides the stored bytes beyond
+        the format ("" for int8 without smoothing, whose scales are in the pages)."""
         fmt = self.kv_format
         # every module that writes KV pages carries a kv_quant slot (decoder.Attention and the
         # hybrid families' own attention layers)
         layers = [m for m in self.model.modules() if hasattr(m, "kv_quant")]
-        if not fmt.is_fp8:
-            for attn in layers:
-                attn.kv_quant = KVQuant(fmt)
-            return ""
         cfg = self.local_config
-        if cfg.num_kv_layers != cfg.num_layers:
+        owns = cfg.num_kv_layers == cfg.num_layers
+        if fmt.is_fp8 and not owns:
             raise ValueError(
                 f"kv_cache_dtype={fmt.name!r}: fp8 pages need a scale per layer, computed only "
                 f"for models whose every layer owns its KV pages; {cfg.model_type} has "
                 f"{cfg.num_layers - cfg.num_kv_layers} recurrent, shared-KV or MLP-only layers "
                 "(kv_cache_dtype='int8' keeps its scales in the pages and works here)")
-        scales = checkpoint_kv_scales(self.model_dir, cfg.num_layers, cfg.num_kv_heads)
-        source = "the checkpoint"
-        if scales is None:
+        checkpoint = (checkpoint_kv_scales(self.model_dir, cfg.num_layers, cfg.num_kv_heads)
+                      if fmt.is_fp8 else None)
+        # the smoothing is applied by decoder.Attention, in models whose every layer is one
+        # (checkpoint scales describe the keys as computed, so they keep them unsmoothed)
+        smooth = (self.args.kv_smooth_keys and owns and checkpoint is None
+                  and all(type(m) is Attention for m in layers))
+        if checkpoint is not None:
+            calib = [LayerCalibration(k, v) for k, v in checkpoint]
+        elif fmt.is_fp8 or smooth:
             ids = calibration_token_ids(self.model_dir)[: self.max_positions]
-            scales = calibrate_kv_scales(self.model, cfg, self.backend, ids, self.block_size,
-                                         self.dtype, self.device)
-            source = "a calibration prompt"
-        if len(scales) != len(layers):
-            raise ValueError(f"{len(scales)} KV scale pairs for {len(layers)} attention layers")
+            calib = calibrate_kv(self.model, cfg, self.backend, ids, self.block_size,
+                                 self.dtype, self.device, smooth)
+        else:
+            for attn in layers:
+                attn.kv_quant = KVQuant(fmt)
+            return ""
+        if len(calib) != len(layers):
+            raise ValueError(f"{len(calib)} KV calibrations for {len(layers)} attention layers")
         digest = hashlib.blake2b(digest_size=8)
-        for attn, (k, v) in zip(layers, scales, strict=True):
-            attn.kv_quant = KVQuant(fmt, k.to(self.device), v.to(self.device))
-            for s in (k, v):
-                digest.update(s.detach().float().cpu().numpy().tobytes())
-        logger.info("%s KV pages: per-head scales from %s", fmt.name, source)
+        digest.update(b"smooth" if smooth else b"plain")
+        for attn, c in zip(layers, calib, strict=True):
+            def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.to(self.device)
+
+            attn.kv_quant = KVQuant(fmt, dev(c.k_scale) if fmt.is_fp8 else None,
+                                    dev(c.v_scale) if fmt.is_fp8 else None,
+                                    dev(c.k_offset), dev(c.rotation))
+            parts = (c.k_scale, c.v_scale) if fmt.is_fp8 else ()
+            for t in (*parts, c.k_offset, c.rotation):
+                if t is not None:
+                    digest.update(t.detach().float().cpu().numpy().tobytes())
+        logger.info("%s KV pages: %s%s", fmt.name,
+                    "per-head scales from the checkpoint" if checkpoint is not None
+                    else "per-head scales from a calibration prompt" if fmt.is_fp8
+                    else "scales per token in the pages",
+                    "; keys smoothed (centred and rotated, kv_smoothing.py)" if smooth else "")
         return digest.hexdigest()
 
     def _wants_cuda_graphs(self) -> bool:

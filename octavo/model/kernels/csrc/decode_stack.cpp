@@ -123,6 +123,15 @@ class DecodeStack {
     v_scales_ = std::move(v_scales);
   }
 
+  // key smoothing (kv_smoothing.py): every layer's key offset [num_kv_heads, head_dim] (an
+  // empty list: none) and the rotation [head_dim, head_dim] (undefined: none)
+  void set_key_smoothing(std::vector<at::Tensor> k_offsets, c10::optional<at::Tensor> rotation) {
+    TORCH_CHECK(k_offsets.empty() || k_offsets.size() == layers_.size(),
+                "one key offset per layer, or none, expected");
+    k_offsets_ = std::move(k_offsets);
+    rotation_ = std::move(rotation);
+  }
+
   // x: the embeddings [T, hidden]; returns (the last layer's MLP output, the residual stream)
   std::vector<at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                                   at::Tensor device_cache, at::Tensor slot_mapping,
@@ -141,9 +150,19 @@ class DecodeStack {
       }
       at::Tensor qkv = L.qkv(h);
       rope_(qkv, cos, sin, heads_, kv_heads_, head_dim_);
-      const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
-      const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_});
-      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_});
+      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
+      if (!k_offsets_.empty() || rotation_.has_value()) {  // as kv_smoothing.smooth_qkv
+        at::Tensor kf = k.to(at::kFloat);
+        if (!k_offsets_.empty()) kf = kf - k_offsets_[&L - layers_.data()];
+        if (rotation_.has_value()) {
+          kf = at::matmul(kf, *rotation_);
+          q = at::matmul(q.to(at::kFloat), *rotation_).to(q.scalar_type());
+          v = at::matmul(v.to(at::kFloat), *rotation_).to(v.scalar_type());
+        }
+        k = kf.to(k.scalar_type());
+      }
       const at::Tensor layer_cache = device_cache.select(0, L.cache_slot);
       const at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
       // quantized pages (kv_quant.py): written quantized, read as stored, as the Python layers do
@@ -158,8 +177,11 @@ class DecodeStack {
       } else {
         kv_write(k, v, k_cache, v_cache, slot_mapping, ks, vs);
       }
-      const at::Tensor attn = paged_decode(q.contiguous(), k_cache, v_cache, block_tables,
-                                           context_lens, scale_, c10::nullopt, 0, 0.0, ks, vs);
+      at::Tensor attn = paged_decode(q.contiguous(), k_cache, v_cache, block_tables,
+                                     context_lens, scale_, c10::nullopt, 0, 0.0, ks, vs);
+      if (rotation_.has_value()) {  // the output over rotated values, turned back (unrotate)
+        attn = at::matmul(attn.to(at::kFloat), *rotation_).to(attn.scalar_type());
+      }
       h = L.o(attn.reshape({-1, q_size}));
       h = add_rms_norm_(h, residual, L.norm2, eps_);
       x = L.down(silu_and_mul(L.gate_up(h)));
@@ -173,6 +195,8 @@ class DecodeStack {
   int64_t max_rows_;
   std::vector<Layer> layers_;
   std::vector<at::Tensor> k_scales_, v_scales_;  // fp8 KV pages only
+  std::vector<at::Tensor> k_offsets_;  // key smoothing only
+  c10::optional<at::Tensor> rotation_;
 };
 
 }  // namespace
@@ -191,6 +215,9 @@ void bind_decode_stack(py::module& m) {
       .def("set_kv_scales", &DecodeStack::set_kv_scales,
            "fp8 KV pages: every layer's K and V scales, in layer order", py::arg("k_scales"),
            py::arg("v_scales"))
+      .def("set_key_smoothing", &DecodeStack::set_key_smoothing,
+           "quantized KV pages with key smoothing: every layer's key offset (or none) and the "
+           "rotation (or None)", py::arg("k_offsets"), py::arg("rotation"))
       .def("forward", &DecodeStack::forward,
            "every layer of an all-decode step: (last MLP output, residual)");
 }
