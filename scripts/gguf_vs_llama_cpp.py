@@ -5,7 +5,8 @@ then --gen new tokens after it), at each thread count, medians of --repeats afte
 octavo through `LLM` with the file's blocks kept (its default for a GGUF file), llama.cpp
 through `llama-bench -o json`. Memory: the resident set of `octavo serve` and of
 `llama-server` on the same file, after start-up, with the same context (--ctx) and one
-sequence's KV cache (octavo: --max-model-len ctx and ctx / 16 blocks of 16 tokens).
+sequence's KV cache (octavo: --max-model-len ctx and ctx / 16 blocks of 16 tokens for each KV
+cache group: one, or one per window pattern of a sliding-window model).
 
     PYTHONPATH=. python scripts/gguf_vs_llama_cpp.py qwen2.5-coder-1.5b \
         --llama-bin /path/to/llama.cpp/build/bin --threads 1 2 --out docs/bench
@@ -155,10 +156,15 @@ def main() -> int:
                                 "tg_ratio": oc["tg_tok_s"] / ll["tg_tok_s"]})
         print(json.dumps(result["speed"][-1], default=str), flush=True)
     if not args.skip_memory:
+        from octavo.config import ModelConfig
+
+        # the engine gives every KV cache group (a sliding-window model has several) a block
+        # for each token it holds, so max_model_len needs ctx / 16 blocks per group
+        groups = len(ModelConfig.from_dir(resolve_model_dir(args.model)).kv_groups.windows)
         port = free_port()
         oc = rss_after_start([sys.executable, "-m", "octavo.cli", "serve", "--model", args.model,
                               "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
-                              str(args.ctx), "--num-kv-blocks", str(args.ctx // 16),
+                              str(args.ctx), "--num-kv-blocks", str(args.ctx // 16 * groups),
                               "--max-num-seqs", "1"], port)
         port = free_port()
         ll = rss_after_start([str(args.llama_bin / "llama-server"), "-m", str(gguf), "--host",

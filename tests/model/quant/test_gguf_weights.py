@@ -1,11 +1,11 @@
 """quantization="gguf" (model/quant/gguf_weights.py, gguf_blocks.py, model/gguf_loader.py): a
-GGUF file's Q4_0 / Q4_1 / Q8_0 weights kept in their blocks (the K-quants: test_kquant.py), the
-model filled straight from the file. The key check: every block layer widens to exactly the
-fp32 weight transformers reads from the same file (rows unpermuted, q/k/v and gate/up
-concatenated), on the embedded default model (Q4_1, its LM head tied to a Q8_0 embedding, the
-lookup reading the same blocks) and on a tiny GGUF written here with Q4_0, Q4_1 and Q8_0
-tensors, and the tensors kept in blocks are never widened at load; then the engine on both,
-the errors, and the block parsing against GGUF's formulas on hand-made bytes."""
+GGUF file's Q4_0 / Q4_1 / Q8_0 weights kept in their blocks (Q5_0 as Q8_0's; the K-quants:
+test_kquant.py), the model filled straight from the file. The key check: every block layer
+widens to exactly the fp32 weight transformers reads from the same file (rows unpermuted,
+q/k/v and gate/up concatenated), on the embedded default model (Q4_1, its LM head tied to a
+Q8_0 embedding, the lookup reading the same blocks) and on a tiny GGUF written here with Q4_0,
+Q4_1, Q5_0 and Q8_0 tensors, and the tensors kept in blocks are never widened at load; then the
+engine on both, the errors, and the block parsing against GGUF's formulas on hand-made bytes."""
 
 from __future__ import annotations
 
@@ -231,6 +231,8 @@ def qtype_for(name: str):
 
     if name == "blk.1.attn_v.weight":
         return T.Q8_0
+    if name == "blk.0.ffn_down.weight":
+        return T.Q5_0  # kept as Q8_0 blocks, exactly
     kind = name.rsplit(".", 2)[-2]
     return {"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q4_0, "attn_output": T.Q4_1,
             "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "output": T.Q8_0,
@@ -267,6 +269,7 @@ def test_tiny_gguf_blocks_widen_to_transformers_weights_exactly(quant_gguf):
     with GGUFFile(quant_gguf) as gf:
         types = {t.name: t.type_name for t in gf.tensors.values()}
     assert types["blk.0.attn_q.weight"] == "Q4_0" and types["output.weight"] == "Q8_0"
+    assert types["blk.0.ffn_down.weight"] == "Q5_0"
     model, config = load_fp32(model_dir, quantization="gguf")
     state = reference_state(str(quant_gguf))
     assert not config.tie_word_embeddings
@@ -428,6 +431,25 @@ def test_planes_q8_0(raw_values):
     want = q8.astype(np.float32) * expand(d)  # w = q d
     fmt, q, scale, mins = check_planes("Q8_0", raw, want)
     assert q.dtype == torch.int8 and torch.equal(q, torch.from_numpy(q8)) and mins is None
+
+
+def test_planes_q5_0_become_q8_0_blocks_exactly(raw_values):
+    """Q5_0: a float16 d, 4 bytes whose bit j is element j's fifth bit, then the low nibbles as
+    Q4_0 packs them; w = (x - 16) d with x in 0..31, kept as Q8_0's int8 values."""
+    d, _, _, _ = raw_values
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 32, (ROWS, COLS))
+    x[0, :32] = np.arange(32)  # every value, each fifth-bit position
+    fifth = (x >> 4).astype(np.uint32).reshape(ROWS, COLS // 32, 32)
+    high = (fifth << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+    high_bytes = high.astype("<u4").view(np.uint8).reshape(ROWS, COLS // 32, 4)
+    raw = np.concatenate([f16_bytes(d), high_bytes, gguf_nibbles(x & 0x0F)],
+                         axis=-1).reshape(ROWS, -1)
+    assert raw.shape == (ROWS, COLS // 32 * FORMATS["Q5_0"][1])
+    want = (x.astype(np.float32) - 16) * expand(d)
+    fmt, q, scale, mins = check_planes("Q5_0", raw, want)
+    assert fmt is FORMATS["Q8_0"][0] and mins is None
+    assert q.dtype == torch.int8 and torch.equal(q, torch.from_numpy((x - 16).astype(np.int8)))
 
 
 def test_planes_q4_0_large_scale_stays_dequantized():
