@@ -59,6 +59,10 @@ class ModelInfo:
     scheduling_policy: str
     # the KV cache's settings under vLLM's CacheConfig names (`vllm:cache_config_info`)
     cache_config: tuple[tuple[str, object], ...] = ()
+    # the engine's tokenizer, for a front end to share: a large vocabulary's tokenizer takes
+    # hundreds of MB (Gemma 3's 262k tokens: 275 MB). Only read (encode, decode, templates),
+    # never reconfigured (truncation, padding), so threads may use it at once.
+    tokenizer: Any = None
 
 
 class RequestAbortedError(RuntimeError):
@@ -199,7 +203,8 @@ class AsyncLLMEngine:
         }
         self.model_info = ModelInfo(engine.model_dir, engine.max_model_len,
                                     engine.model_config.vocab_size, args.max_num_seqs,
-                                    args.scheduling_policy, tuple(cache.items()))
+                                    args.scheduling_policy, tuple(cache.items()),
+                                    engine.tokenizer)
         # the constraint compiler: thread-safe, so a front end's worker thread compiles a
         # request's matcher (input_processor.Prepared) and the engine thread never waits on it
         self.structured: StructuredOutputs = engine.structured

@@ -45,8 +45,10 @@ class ServerContext:
         self.vocab_size = info.vocab_size
         self.max_num_seqs = info.max_num_seqs
         self.scheduling_policy = info.scheduling_policy
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
-        self._worker_tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
+        # one tokenizer for the event loop, the tokenizing worker and the engine (ModelInfo's
+        # note: only read, so the threads may share it; a copy each would triple its memory)
+        self.tokenizer: Any = info.tokenizer or AutoTokenizer.from_pretrained(self.model_dir)
+        self._worker_tokenizer: Any = self.tokenizer
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="octavo-tokenize")
         self.bounded = BoundedTokenizer(
             self._worker_tokenizer, self.max_model_len,
