@@ -82,7 +82,8 @@ class KVQuant:
     """What an attention layer hands its backend about its quantized pages: the format and,
     for fp8, the layer's scales ([num_kv_heads] float32, on the cache's device; None for
     int8, whose scales are in the pages). `k_offset` and `rotation`: the layer's key smoothing
-    (kv_smoothing.py), applied by the layer to q and k before the backend sees them."""
+    (kv_smoothing.py), applied by the layer to q, k and v before the backend sees them and to
+    the output after."""
 
     fmt: KVFormat
     k_scale: torch.Tensor | None = None

@@ -288,12 +288,13 @@ class ModelRunner:
             return ""
         if len(calib) != len(layers):
             raise ValueError(f"{len(calib)} KV calibrations for {len(layers)} attention layers")
+
+        def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(self.device)
+
         digest = hashlib.blake2b(digest_size=8)
         digest.update(b"smooth" if smooth else b"plain")
         for attn, c in zip(layers, calib, strict=True):
-            def dev(t: torch.Tensor | None) -> torch.Tensor | None:
-                return None if t is None else t.to(self.device)
-
             attn.kv_quant = KVQuant(fmt, dev(c.k_scale) if fmt.is_fp8 else None,
                                     dev(c.v_scale) if fmt.is_fp8 else None,
                                     dev(c.k_offset), dev(c.rotation))
