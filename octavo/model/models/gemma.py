@@ -13,9 +13,10 @@
   `rope_local_base_freq`), while global ones take `rope_parameters["full_attention"]` (with
   its scaling), which config.py reads as the model's rope.
 
-Tied embeddings. The compiled CPU ops (Llama's RMSNorm and SiLU) do not apply here, so Gemma
-runs its torch layers on CPU too; attention goes through the backends, which take `window`
-and `softcap` per call. A "gemma3" (multimodal) config is not run: only "gemma3_text".
+Tied embeddings. Of the compiled CPU ops only the RMSNorm applies (with 1 + w as its weight,
+for fp32 activations); the rest of Gemma's layers run in torch on CPU too, outside the C++
+decode loop; attention goes through the backends, which take `window` and `softcap` per call.
+A "gemma3" (multimodal) config is not run: only "gemma3_text".
 """
 
 from __future__ import annotations
@@ -42,9 +43,22 @@ ACTIVATIONS = {
 
 
 class GemmaRMSNorm(RMSNorm):
-    """transformers' Gemma2/3RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), all in fp32."""
+    """transformers' Gemma2/3RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), all in fp32.
+
+    With the compiled CPU ops and fp32 activations it runs the fused `rms_norm` with the weight
+    1 + w computed once (`use_fused`): Llama's norm, whose scale is applied in the activations'
+    dtype, is then Gemma's, which applies it in fp32. Other dtypes keep the torch ops."""
+
+    scale: torch.Tensor | None = None  # 1 + w in fp32, for the fused op
+
+    def use_fused(self, ops: Any) -> None:
+        """Route fp32 rows through `ops.rms_norm` (None: torch); after the weights load."""
+        self.ops = ops
+        self.scale = None if ops is None else (1.0 + self.weight.detach().float()).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.dtype == torch.float32 and x.dim() == 2:
+            return self.ops.rms_norm(x.contiguous(), self.scale, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
@@ -161,7 +175,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return logits.float()
 
     def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
-        """Nothing to switch: the compiled ops are Llama's norm and SiLU (see the module doc)."""
+        """Gemma's norms through the compiled `rms_norm` (GemmaRMSNorm.use_fused); its GELU
+        MLP, local RoPE bases and four norms a layer keep the rest in torch."""
+        for module in self.modules():
+            if isinstance(module, GemmaRMSNorm):
+                module.use_fused(ops)
 
     def _load_mlp(self, src: str, dst: str, take: Take, put: Put) -> None:
         super()._load_mlp(src, dst, take, put)
