@@ -57,7 +57,7 @@ class GemmaRMSNorm(RMSNorm):
         self.scale = None if ops is None else (1.0 + self.weight.detach().float()).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None and x.dtype == torch.float32 and x.dim() == 2:
+        if self.scale is not None and x.dtype == torch.float32 and x.dim() == 2:
             return self.ops.rms_norm(x.contiguous(), self.scale, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

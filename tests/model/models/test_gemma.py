@@ -127,3 +127,36 @@ def test_backend_window_and_softcap(window, softcap, backend_name) -> None:
         torch.testing.assert_close(out[start : start + len(q_pos)].double(), ref, atol=1e-5,
                                    rtol=1e-5)
         start += len(q_pos)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_fused_norm_is_gemmas(rows) -> None:
+    """GemmaRMSNorm through the compiled rms_norm (1 + w as the weight, fp32 rows) against its
+    torch ops; bf16 rows and unfused norms keep the torch ops."""
+    from octavo.model.kernels.cpu_ops import load_cpu_ops
+    from octavo.model.models.gemma import GemmaRMSNorm
+
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip("the compiled CPU ops are not built here")
+    gen = torch.Generator().manual_seed(rows)
+    norm = GemmaRMSNorm(640, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(640, generator=gen) * 0.3)
+    x = torch.randn(rows, 640, generator=gen) * 3
+    with torch.inference_mode():
+        want = norm(x)
+        norm.use_fused(ops)
+        torch.testing.assert_close(norm(x), want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(norm(x.bfloat16()), GemmaRMSNorm.forward(
+            _unfused(norm), x.bfloat16()))
+        norm.use_fused(None)
+        assert torch.equal(norm(x), want)
+
+
+def _unfused(norm):
+    from octavo.model.models.gemma import GemmaRMSNorm
+
+    plain = GemmaRMSNorm(norm.weight.shape[0], norm.eps)
+    plain.load_state_dict(norm.state_dict())
+    return plain
