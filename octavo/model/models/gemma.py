@@ -63,6 +63,11 @@ class GemmaRMSNorm(RMSNorm):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x, then the norm (never Llama's fused add-and-norm, whose weight is w)."""
+        residual.add_(x)
+        return self.forward(residual)
+
 
 class GemmaMLP(MLP):
     def __init__(self, config: ModelConfig) -> None:
@@ -175,8 +180,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return logits.float()
 
     def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
-        """Gemma's norms through the compiled `rms_norm` (GemmaRMSNorm.use_fused); its GELU
-        MLP, local RoPE bases and four norms a layer keep the rest in torch."""
+        """Gemma's norms through the compiled `rms_norm` (GemmaRMSNorm.use_fused); the rest of
+        its layers (GELU MLP, RoPE with a base per layer kind) stays in torch."""
         for module in self.modules():
             if isinstance(module, GemmaRMSNorm):
                 module.use_fused(ops)
