@@ -44,7 +44,13 @@ class BenchOptions:
 
     def parts(self, bench: str, names: tuple[str, ...]) -> list[str]:
         """The parts of `bench` that --workload names (all of `names` when it names none)."""
-        unknown = sorted(set(self.workloads) - set(names))
-        if unknown:
-            raise ValueError(f"{bench} --workload: one of {', '.join(names)}, not {unknown}")
-        return self.workloads or list(names)
+        return chosen(f"{bench} --workload", self.workloads, names)
+
+
+def chosen(flag: str, given: list[str], names: tuple[str, ...]) -> list[str]:
+    """Those of `names` a repeatable flag gave (all of them when it gave none); a name not
+    among them is an error naming the flag."""
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ValueError(f"{flag}: one of {', '.join(names)}, not {unknown}")
+    return given or list(names)

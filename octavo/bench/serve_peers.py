@@ -32,7 +32,7 @@ from matplotlib.figure import Figure
 
 from octavo.bench import peer_servers, traffic
 from octavo.bench.common import BenchResult, PlotFn, md_table
-from octavo.bench.options import BenchOptions
+from octavo.bench.options import BenchOptions, chosen
 from octavo.bench.server_proc import ServerProcess
 from octavo.bench.slo_client import SLO, max_sustained_rate, run_traffic, summarize
 
@@ -166,10 +166,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     skipped: dict[str, str] = {}
     rows: list[dict] = []
     rss_idle: dict[str, float] = {}
-    unknown = set(opts.servers) - set(SERVERS)
-    if unknown:
-        raise ValueError(f"--servers: one of {', '.join(SERVERS)}, not {sorted(unknown)}")
-    wanted = opts.servers or list(SERVERS)
+    wanted = chosen("--servers", opts.servers, SERVERS)
     for name in SERVERS:
         if name not in wanted:
             skipped[name] = "not run: left out by --servers"
@@ -188,7 +185,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                 server.stop()
         # llama-server
         if "llama-server" not in wanted:
-            pass
+            pass  # recorded in `skipped` above
         elif not opts.llama_server or not Path(opts.llama_server).exists():
             skipped["llama-server"] = ("skipped: no llama-server binary (--llama-server PATH)"
                                        if not opts.llama_server else
@@ -205,10 +202,9 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
             rows += _run_peer("llama-server", peer, opts, loads_by_rate, rates, slo, vocab, skipped,
                               rss_idle)
         # vLLM
-        why = peer_servers.vllm_available(opts.peer_python) if "vllm" in wanted else None
         if "vllm" not in wanted:
-            pass
-        elif why is not None:
+            pass  # recorded in `skipped` above
+        elif (why := peer_servers.vllm_available(opts.peer_python)) is not None:
             skipped["vllm"] = f"skipped: {why}"
         else:
             peer = peer_servers.start_vllm(
