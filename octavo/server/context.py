@@ -1,13 +1,15 @@
-"""What every endpoint shares: the async engine, the server's settings, tokenizer copies.
+"""What every endpoint shares: the async engine, the server's settings, the tokenizer.
 
 Work that grows with the input never runs on the event loop, nor on the engine thread:
 tokenizing a prompt, rendering a chat template and preparing a request's costly fields
 (bad_words as token ids, a structured-output constraint's matcher: engine/input_processor.py's
 `Prepared`) go to one worker thread (HF's Rust tokenizer and llguidance release the GIL while
-they work), within the bounds of tokenizing.py and request_budget.py. The worker and the loop
-each have their OWN tokenizer instance (the loop's only decodes single tokens for logprobs), and
-the engine thread has the engine's: HF fast tokenizers raise "Already borrowed" when one
-instance is used from two threads.
+they work), within the bounds of tokenizing.py and request_budget.py. The worker, the loop (it
+only decodes single tokens for logprobs) and the engine thread share the engine's tokenizer: HF
+fast tokenizers raise "Already borrowed" only when a call reconfigures one (truncation,
+padding) while another uses it, and nothing here sets either, so encode, decode and templates
+run side by side (tests/server/test_shared_tokenizer.py). A copy each would hold a large
+vocabulary's tokenizer (Gemma 3's: 275 MB) three times.
 """
 
 from __future__ import annotations
@@ -45,13 +47,11 @@ class ServerContext:
         self.vocab_size = info.vocab_size
         self.max_num_seqs = info.max_num_seqs
         self.scheduling_policy = info.scheduling_policy
-        # one tokenizer for the event loop, the tokenizing worker and the engine (ModelInfo's
-        # note: only read, so the threads may share it; a copy each would triple its memory)
+        # the engine's (module doc)
         self.tokenizer: Any = info.tokenizer or AutoTokenizer.from_pretrained(self.model_dir)
-        self._worker_tokenizer: Any = self.tokenizer
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="octavo-tokenize")
         self.bounded = BoundedTokenizer(
-            self._worker_tokenizer, self.max_model_len,
+            self.tokenizer, self.max_model_len,
             chat_template_timeout=config.chat_template_timeout,
             trust_request_chat_template=config.trust_request_chat_template)
         self.max_prompt_chars = self.bounded.max_prompt_chars
@@ -106,7 +106,7 @@ class ServerContext:
         if not params.bad_words and params.structured_outputs is None:  # nothing costly
             check_fields(params, structured.vocab_size, constraint_param)
             return Prepared()
-        return await self._off_loop(prepare_fields, params, self._worker_tokenizer, structured,
+        return await self._off_loop(prepare_fields, params, self.tokenizer, structured,
                                     constraint_param)
 
     def token_str(self, token_id: int) -> str:
@@ -118,7 +118,7 @@ class ServerContext:
         return s
 
     async def decode(self, token_ids: list[int]) -> str:
-        return await self._off_loop(self._worker_tokenizer.decode, token_ids)
+        return await self._off_loop(self.tokenizer.decode, token_ids)
 
     @property
     def chat_template(self) -> str | None:

@@ -129,8 +129,8 @@ def test_a_prompt_too_long_to_fit_is_refused_without_tokenizing(http, tiny_serve
     """The tiny model's byte tokens are one character each: 512 tokens hold 512 characters."""
     ctx = tiny_server.server.config.app.state.ctx
     calls = []
-    real = ctx._worker_tokenizer.encode
-    monkeypatch.setattr(ctx._worker_tokenizer, "encode",
+    real = ctx.tokenizer.encode
+    monkeypatch.setattr(ctx.tokenizer, "encode",
                         lambda *a, **k: calls.append(threading.current_thread().name)
                         or real(*a, **k))
     huge = "x" * 900_000  # under the 1 MiB body limit of the test server
