@@ -34,8 +34,8 @@ def eos_token_id(tokenizer: Any, model: ModelConfig) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A request's costly fields made ready off the engine thread (a server's worker does it
-    with its own tokenizer, server/request_budget.py): its bad_words as token ids, and a grammar
+    """A request's costly fields made ready off the engine thread (a server's worker does it,
+    server/request_budget.py): its bad_words as token ids, and a grammar
     matcher at the start of its constraint (each request takes a copy). What is None here is
     done by `process` itself."""
 
