@@ -120,10 +120,10 @@ class _Recorder(AttentionBackend):
                 window=None, softcap=None, kv=None):
         offset = rotation = None
         if self.smooth:
-            # centring moves every score of a query alike, which a soft cap does not allow
-            # rounded to float16, so that a run whose sums round differently in their last
-            # bits (another thread count) most often gets the same offsets, and so the same
-            # cache id (KV tier records); any offset is exact, this one is only the best
+            # centring moves every score of a query alike, which a soft cap does not allow.
+            # Any offset is exact; the mean is the best one, rounded to float16 so that a run
+            # whose sums differ in their last bits (another thread count) most often gets the
+            # same offsets, and so the same cache id (KV tier records)
             offset = k.float().mean(0).half().float() if softcap is None else None
             rotation = hadamard(k.shape[-1]).to(k.device) if rotatable(k.shape[-1]) else None
         _, ks, vs = smooth_qkv(q, k.float(), v.float(), offset, rotation)
