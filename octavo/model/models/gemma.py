@@ -13,9 +13,10 @@
   `rope_local_base_freq`), while global ones take `rope_parameters["full_attention"]` (with
   its scaling), which config.py reads as the model's rope.
 
-Tied embeddings. Of the compiled CPU ops only the RMSNorm applies (with 1 + w as its weight,
-for fp32 activations); the rest of Gemma's layers run in torch on CPU too, outside the C++
-decode loop; attention goes through the backends, which take `window` and `softcap` per call.
+Tied embeddings. Of the compiled CPU ops the RMSNorm (with 1 + w as its weight, for fp32
+activations) and the RoPE apply; with fp32 activations an all-decode step runs every layer in
+the C++ decode loop (decode_stack.py), with the same ops in the same order; attention goes
+through the backends, which take `window` and `softcap` per call.
 A "gemma3" (multimodal) config is not run: only "gemma3_text".
 """
 
@@ -29,7 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.config import ModelConfig
-from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
+from octavo.model.layers.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    decode_step_args,
+)
 from octavo.model.layers.decoder import MLP, Attention, RMSNorm, RotaryEmbedding
 from octavo.model.layers.kv_cache import KVCache
 from octavo.model.layers.weights import Put, Take
@@ -78,6 +83,8 @@ class GemmaMLP(MLP):
             raise ValueError(f"{config.model_type}: hidden_activation {name!r} is not supported "
                              f"(supported: {', '.join(ACTIVATIONS)})")
         self.act = ACTIVATIONS[name]
+        # the C++ decode loop's name for it (decode_stack.py)
+        self.act_name = "gelu" if name == "gelu" else "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -165,10 +172,20 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
-        cos, sin = self.rotary(positions, x.dtype)
+        fp32_rows = self.layers[0].self_attn.ops is not None  # the compiled RoPE's tables
+        cos, sin = self.rotary(positions, x.dtype, fp32_rows)
         local_cos, local_sin = cos, sin
         if self.local_rope and any(self.local):
-            local_cos, local_sin = self._local_rotary(positions.device)(positions, x.dtype)
+            local_cos, local_sin = self._local_rotary(positions.device)(positions, x.dtype,
+                                                                       fp32_rows)
+        args = None
+        if (self.decode_stack is not None and num_layers is None
+                and x.shape[0] <= self.decode_stack.max_rows()):
+            args = decode_step_args(metas, x.shape[0])
+        if args is not None:  # every layer in the C++ loop
+            (x,) = self.decode_stack.forward(x, [cos, local_cos], [sin, local_sin],
+                                             kv_cache.device_cache, *args)
+            num_layers = 0
         group = kv_cache.groups.layer_group
         for i, layer in enumerate(self.layers[:num_layers]):
             k_cache, v_cache = kv_cache.layer(i)
@@ -180,11 +197,14 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return logits.float()
 
     def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
-        """Gemma's norms through the compiled `rms_norm` (GemmaRMSNorm.use_fused); the rest of
-        its layers (GELU MLP, RoPE with a base per layer kind) stays in torch."""
+        """Gemma's norms through the compiled `rms_norm` (GemmaRMSNorm.use_fused) and its RoPE
+        through the compiled `rope_` (fp32 tables per layer kind); the GELU MLP stays in torch
+        (the C++ decode loop calls the same ATen ops)."""
         for module in self.modules():
             if isinstance(module, GemmaRMSNorm):
                 module.use_fused(ops)
+            elif isinstance(module, Attention):
+                module.ops = ops
 
     def _load_mlp(self, src: str, dst: str, take: Take, put: Put) -> None:
         super()._load_mlp(src, dst, take, put)

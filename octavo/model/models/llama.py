@@ -16,7 +16,11 @@ import torch
 from torch import nn
 
 from octavo.config import ModelConfig
-from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
+from octavo.model.layers.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    decode_step_args,
+)
 from octavo.model.layers.decoder import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from octavo.model.layers.kv_cache import KVCache
 from octavo.model.layers.linear import PackedLinear
@@ -59,14 +63,14 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype, fp32_rows=self.norm.ops is not None)
         residual = None
-        meta = metas[0]
-        if (self.decode_stack is not None and num_layers is None and not meta.prefills
-                and meta.num_decodes == x.shape[0] and meta.decode_first_pos is None
+        args = None
+        if (self.decode_stack is not None and num_layers is None
                 and x.shape[0] <= self.decode_stack.max_rows()):
-            x, residual = self.decode_stack.forward(
-                x, cos, sin, kv_cache.device_cache, meta.slot_mapping, meta.decode_block_tables,
-                meta.decode_context_lens)
-            num_layers = 0  # all done
+            args = decode_step_args(metas, x.shape[0])
+        if args is not None:  # every layer in the C++ loop
+            x, residual = self.decode_stack.forward(x, [cos], [sin], kv_cache.device_cache,
+                                                    *args)
+            num_layers = 0
         group = kv_cache.groups.layer_group
         for i, layer in enumerate(self.layers[:num_layers]):
             k_cache, v_cache = kv_cache.layer(i)

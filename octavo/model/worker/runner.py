@@ -244,7 +244,7 @@ class ModelRunner:
             self.drafter.init_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
         if self.device.type == "cpu" and (self.tp is None or self.tp.size == 1):
             self.model.decode_stack = build_decode_stack(self.model, self.backend,
-                                                         self.kv_cache.groups,
+                                                         self.kv_cache.groups, self.dtype,
                                                          self.kernels.decode_stack)
         if self._wants_cuda_graphs():
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend, self.device,

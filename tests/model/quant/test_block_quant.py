@@ -203,6 +203,31 @@ def test_block_linear_kernel_equals_dequantized_matmul(isa, fmt, int8_activation
             assert_matches(got, want, atol_frac=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("fmt", list(KINDS))
+@pytest.mark.parametrize("isa", ISAS)
+def test_one_row_has_the_bits_of_a_batch_row(isa, fmt):
+    """On int8 activations a row alone (a decode of one sequence, which has a kernel of its
+    own: idot1) gives the same bits as the same row inside batches of 2..9: batching never
+    changes a sequence's logits."""
+    ops = ops_for(isa)
+    kind, group, ks = KINDS[fmt]
+    gen = torch.Generator().manual_seed(7 + list(KINDS).index(fmt))
+    for k in ks:
+        for n in (1, 2, 5, 37, 301):  # odd counts: the kernels' one-row tails
+            q, scale, mins = random_weights(kind, n, k, group, gen)
+            bias = torch.randn(n, generator=gen)
+            x = torch.randn(9, k, generator=gen) * 2
+            for b in (None, bias):
+                batch = ops.block_linear(x, kind, q, scale, mins, group, b, True)
+                for i in (0, 4, 8):
+                    alone = ops.block_linear(x[i : i + 1], kind, q, scale, mins, group, b, True)
+                    assert torch.equal(alone[0], batch[i]), (k, n, i)
+                    for m in (2, 3, 5):  # smaller batches holding row i
+                        rows = x[max(0, i - m + 1) : max(0, i - m + 1) + m]
+                        part = ops.block_linear(rows, kind, q, scale, mins, group, b, True)
+                        assert torch.equal(alone[0], part[i - max(0, i - m + 1)]), (k, n, i, m)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_block_linear_kernel_on_extreme_values(isa):
     """Every nibble / byte value, full-range activations (the int8 path's integer sums must not

@@ -72,3 +72,45 @@ def test_block_weights_past_small_batch_take_the_python_path(monkeypatch, tiny_l
     assert built
     without, _ = run(monkeypatch, False, str(tiny_llama_dir), prompts, quantization="int4")
     assert with_stack == without
+
+
+WINDOW_PROMPTS = [{"prompt_token_ids": [(7 * i + 3) % 250 + 3 for i in range(n)]}
+                  for n in (3, 30, 70)]  # past every window below, with the 20 new tokens
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3_text", "qwen3", "mistral", "qwen2"])
+def family_dir(request, tmp_path_factory):
+    """Tiny random models of the other layer shapes the loop runs: Gemma's sandwich layers
+    (soft caps; q/k norms and a second rope table), Qwen3's q/k norms, sliding windows on every
+    layer (Mistral) and on some (Qwen2: two KV cache groups)."""
+    from tests.model.models import test_families, test_gemma
+
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param.startswith("gemma"):
+        return request.param, test_gemma.build(path, request.param)
+    return request.param, test_families.build(path, request.param)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"quantization": "int8"}, {"kv_cache_dtype": "int8"},
+                                    {"kv_cache_dtype": "fp8_e4m3"}],
+                         ids=["fp32", "int8-weights", "int8-kv", "fp8-kv"])
+def test_other_layer_shapes_identical_with_and_without(monkeypatch, family_dir, kwargs):
+    name, path = family_dir
+    with_stack, built = run(monkeypatch, True, str(path), WINDOW_PROMPTS, **kwargs)
+    assert built, f"{name}: the C++ loop was not built"
+    without, built = run(monkeypatch, False, str(path), WINDOW_PROMPTS, **kwargs)
+    assert not built
+    assert with_stack == without
+
+
+def test_gemma_outside_float32_takes_the_python_path(tmp_path):
+    """Gemma's fused norm is for fp32 rows: a Gemma computing in bf16 keeps the Python layers
+    (on a CPU without native bf16, dtype=bfloat16 computes in fp32, and the loop runs)."""
+    import torch
+
+    from tests.model.models import test_gemma
+
+    path = test_gemma.build(tmp_path / "g3", "gemma3_text")
+    llm = LLM(str(path), num_kv_blocks=16, max_model_len=128, dtype="bfloat16")
+    runner = llm.engine.executor.runner
+    assert (runner.model.decode_stack is not None) == (runner.dtype == torch.float32)

@@ -66,10 +66,19 @@ struct Linear {
 };
 
 struct Layer {
-  at::Tensor norm1, norm2;
+  // pre-norm (Llama): the input and post-attention norms, fused with the residual adds;
+  // sandwich (Gemma): input, post-attention, pre- and post-feedforward, each its own norm
+  at::Tensor norm1, norm2, norm3, norm4;
+  at::Tensor q_norm, k_norm;  // per-head norms of q and k (Qwen3, Gemma 3); undefined: none
   Linear qkv, o, gate_up, down;
   int64_t cache_slot;
+  int64_t group = 0;  // KV cache group: which block tables, context lengths and slots
+  int64_t rope = 0;  // which cos/sin table (Gemma 3's local layers rotate with their own)
+  int64_t window = 0;  // sliding window (0: none)
+  double softcap = 0.0;  // attention-score soft cap (0: none)
 };
+
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
 
 class DecodeStack {
  public:
@@ -109,8 +118,39 @@ class DecodeStack {
       }
       return l;
     };
-    layers_.push_back(Layer{std::move(norm1), std::move(norm2), lin(qkv), lin(o), lin(gate_up),
-                            lin(down), cache_slot});
+    Layer layer;
+    layer.norm1 = std::move(norm1);
+    layer.norm2 = std::move(norm2);
+    layer.qkv = lin(qkv), layer.o = lin(o), layer.gate_up = lin(gate_up), layer.down = lin(down);
+    layer.cache_slot = cache_slot;
+    layers_.push_back(std::move(layer));
+  }
+
+  // the last added layer's options: its KV cache group, rope table, sliding window, soft cap,
+  // q/k norms and (sandwich layers) pre- and post-feedforward norms
+  void set_layer_options(int64_t group, int64_t rope, int64_t window, double softcap,
+                         c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                         c10::optional<at::Tensor> norm3, c10::optional<at::Tensor> norm4) {
+    TORCH_CHECK(!layers_.empty(), "set_layer_options follows add_layer");
+    TORCH_CHECK(group >= 0 && rope >= 0 && window >= 0 && softcap >= 0.0,
+                "a layer's group, rope table, window and soft cap are >= 0");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    TORCH_CHECK(norm3.has_value() == sandwich_ && norm4.has_value() == sandwich_,
+                "sandwich layers, and only they, have pre- and post-feedforward norms");
+    Layer& L = layers_.back();
+    L.group = group, L.rope = rope, L.window = window, L.softcap = softcap;
+    if (q_norm.has_value()) L.q_norm = *q_norm, L.k_norm = *k_norm;
+    if (norm3.has_value()) L.norm3 = *norm3, L.norm4 = *norm4;
+  }
+
+  // the layers' shape, set before any is added: sandwich (Gemma's four norms, none fused
+  // with a residual add) or pre-norm, and the MLP's activation ("silu", "gelu_tanh", "gelu")
+  void set_style(bool sandwich, const std::string& activation) {
+    TORCH_CHECK(layers_.empty(), "set_style comes before the layers");
+    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh" || activation == "gelu",
+                "activation ", activation, " is not one of silu, gelu_tanh, gelu");
+    sandwich_ = sandwich;
+    activation_ = activation == "silu" ? kSilu : activation == "gelu_tanh" ? kGeluTanh : kGelu;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -132,15 +172,43 @@ class DecodeStack {
     rotation_ = std::move(rotation);
   }
 
-  // x: the embeddings [T, hidden]; returns (the last layer's MLP output, the residual stream)
-  std::vector<at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
-                                  at::Tensor device_cache, at::Tensor slot_mapping,
-                                  at::Tensor block_tables, at::Tensor context_lens) {
-    const int64_t T = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+  // x: the embeddings [T, hidden]; per rope table its cos/sin rows, per KV cache group its
+  // slot mapping, block tables, context lengths and first positions (sliding-window groups,
+  // None: tables start at position 0). Returns (the last layer's MLP output, the residual
+  // stream) for pre-norm layers, (the residual stream) for sandwich ones.
+  std::vector<at::Tensor> forward(at::Tensor x, std::vector<at::Tensor> cos,
+                                  std::vector<at::Tensor> sin, at::Tensor device_cache,
+                                  std::vector<at::Tensor> slot_mapping,
+                                  std::vector<at::Tensor> block_tables,
+                                  std::vector<at::Tensor> context_lens,
+                                  std::vector<c10::optional<at::Tensor>> first_pos) {
+    const int64_t T = x.size(0);
     TORCH_CHECK(T <= max_rows_, "a decode step of ", T, " rows; this stack runs up to ",
                 max_rows_);
+    TORCH_CHECK(cos.size() == sin.size(), "one sin table per cos table");
+    const size_t groups = slot_mapping.size();
+    TORCH_CHECK(block_tables.size() == groups && context_lens.size() == groups &&
+                    first_pos.size() == groups,
+                "every KV cache group needs its slots, block tables, context lengths and first "
+                "positions");
+    for (const Layer& L : layers_) {
+      TORCH_CHECK(static_cast<size_t>(L.group) < groups, "a layer's KV cache group ", L.group,
+                  " has no metadata");
+      TORCH_CHECK(static_cast<size_t>(L.rope) < cos.size(), "a layer's rope table ", L.rope,
+                  " was not given");
+    }
     at::Tensor residual;
     for (const Layer& L : layers_) {
+      const size_t i = &L - layers_.data();
+      if (sandwich_) {  // Gemma: x is the residual stream, every branch normed before its add
+        at::Tensor h = attention(L, i, rms_norm(x.contiguous(), L.norm1, eps_), cos, sin,
+                                 device_cache, slot_mapping, block_tables, context_lens,
+                                 first_pos);
+        x = x + rms_norm(h.contiguous(), L.norm2, eps_);
+        h = mlp(L, rms_norm(x.contiguous(), L.norm3, eps_));
+        x = x + rms_norm(h.contiguous(), L.norm4, eps_);
+        continue;
+      }
       at::Tensor h;
       if (!residual.defined()) {
         residual = x;
@@ -148,48 +216,79 @@ class DecodeStack {
       } else {
         h = add_rms_norm_(x, residual, L.norm1, eps_);
       }
-      at::Tensor qkv = L.qkv(h);
-      rope_(qkv, cos, sin, heads_, kv_heads_, head_dim_);
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_});
-      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
-      if (!k_offsets_.empty() || rotation_.has_value()) {  // as kv_smoothing.smooth_qkv
-        at::Tensor kf = k.to(at::kFloat);
-        if (!k_offsets_.empty()) kf = kf - k_offsets_[&L - layers_.data()];
-        if (rotation_.has_value()) {
-          kf = at::matmul(kf, *rotation_);
-          q = at::matmul(q.to(at::kFloat), *rotation_).to(q.scalar_type());
-          v = at::matmul(v.to(at::kFloat), *rotation_).to(v.scalar_type());
-        }
-        k = kf.to(k.scalar_type());
-      }
-      const at::Tensor layer_cache = device_cache.select(0, L.cache_slot);
-      const at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
-      // quantized pages (kv_quant.py): written quantized, read as stored, as the Python layers do
-      c10::optional<at::Tensor> ks, vs;
-      if (!k_scales_.empty()) {
-        ks = k_scales_[&L - layers_.data()];
-        vs = v_scales_[&L - layers_.data()];
-      }
-      if (k_cache.scalar_type() == x.scalar_type()) {
-        k_cache.view({-1, kv_heads_, head_dim_}).index_copy_(0, slot_mapping, k);
-        v_cache.view({-1, kv_heads_, head_dim_}).index_copy_(0, slot_mapping, v);
-      } else {
-        kv_write(k, v, k_cache, v_cache, slot_mapping, ks, vs);
-      }
-      at::Tensor attn = paged_decode(q.contiguous(), k_cache, v_cache, block_tables,
-                                     context_lens, scale_, c10::nullopt, 0, 0.0, ks, vs);
-      if (rotation_.has_value()) {  // the output over rotated values, turned back (unrotate)
-        attn = at::matmul(attn.to(at::kFloat), *rotation_).to(attn.scalar_type());
-      }
-      h = L.o(attn.reshape({-1, q_size}));
+      h = attention(L, i, h, cos, sin, device_cache, slot_mapping, block_tables, context_lens,
+                    first_pos);
       h = add_rms_norm_(h, residual, L.norm2, eps_);
-      x = L.down(silu_and_mul(L.gate_up(h)));
+      x = mlp(L, h);
     }
+    if (sandwich_) return {x};
     return {x, residual};
   }
 
  private:
+  // one layer's attention on its normed input h, through o_proj (as layers.py's Attention)
+  at::Tensor attention(const Layer& L, size_t i, const at::Tensor& h,
+                       const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                       const at::Tensor& device_cache, const std::vector<at::Tensor>& slot_mapping,
+                       const std::vector<at::Tensor>& block_tables,
+                       const std::vector<at::Tensor>& context_lens,
+                       const std::vector<c10::optional<at::Tensor>>& first_pos) const {
+    const int64_t T = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    at::Tensor qkv = L.qkv(h);
+    if (L.q_norm.defined()) {  // as Attention._norm_heads: head by head, written back
+      at::Tensor qs = qkv.narrow(1, 0, q_size), ks = qkv.narrow(1, q_size, kv_size);
+      qs.copy_(rms_norm(qs.reshape({-1, head_dim_}).contiguous(), L.q_norm, eps_)
+                   .view({-1, q_size}));
+      ks.copy_(rms_norm(ks.reshape({-1, head_dim_}).contiguous(), L.k_norm, eps_)
+                   .view({-1, kv_size}));
+    }
+    rope_(qkv, cos[L.rope], sin[L.rope], heads_, kv_heads_, head_dim_);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
+    if (!k_offsets_.empty() || rotation_.has_value()) {  // as kv_smoothing.smooth_qkv
+      at::Tensor kf = k.to(at::kFloat);
+      if (!k_offsets_.empty()) kf = kf - k_offsets_[i];
+      if (rotation_.has_value()) {
+        kf = at::matmul(kf, *rotation_);
+        q = at::matmul(q.to(at::kFloat), *rotation_).to(q.scalar_type());
+        v = at::matmul(v.to(at::kFloat), *rotation_).to(v.scalar_type());
+      }
+      k = kf.to(k.scalar_type());
+    }
+    const at::Tensor layer_cache = device_cache.select(0, L.cache_slot);
+    const at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
+    const at::Tensor& slots = slot_mapping[L.group];
+    // quantized pages (kv_quant.py): written quantized, read as stored, as the Python layers do
+    c10::optional<at::Tensor> kscale, vscale;
+    if (!k_scales_.empty()) {
+      kscale = k_scales_[i];
+      vscale = v_scales_[i];
+    }
+    if (k_cache.scalar_type() == h.scalar_type()) {
+      k_cache.view({-1, kv_heads_, head_dim_}).index_copy_(0, slots, k);
+      v_cache.view({-1, kv_heads_, head_dim_}).index_copy_(0, slots, v);
+    } else {
+      kv_write(k, v, k_cache, v_cache, slots, kscale, vscale);
+    }
+    at::Tensor attn = paged_decode(q.contiguous(), k_cache, v_cache, block_tables[L.group],
+                                   context_lens[L.group], scale_, first_pos[L.group], L.window,
+                                   L.softcap, kscale, vscale);
+    if (rotation_.has_value()) {  // the output over rotated values, turned back (unrotate)
+      attn = at::matmul(attn.to(at::kFloat), *rotation_).to(attn.scalar_type());
+    }
+    return L.o(attn.reshape({-1, q_size}));
+  }
+
+  // the gated MLP on its normed input (as layers.py's MLP, gemma.py's GemmaMLP)
+  at::Tensor mlp(const Layer& L, const at::Tensor& h) const {
+    at::Tensor gate_up = L.gate_up(h);
+    if (activation_ == kSilu) return L.down(silu_and_mul(gate_up));
+    const int64_t inter = gate_up.size(1) / 2;
+    at::Tensor gate = gate_up.narrow(1, 0, inter), up = gate_up.narrow(1, inter, inter);
+    return L.down(at::gelu(gate, activation_ == kGeluTanh ? "tanh" : "none") * up);
+  }
+
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   int64_t max_rows_;
@@ -197,6 +296,8 @@ class DecodeStack {
   std::vector<at::Tensor> k_scales_, v_scales_;  // fp8 KV pages only
   std::vector<at::Tensor> k_offsets_;  // key smoothing only
   c10::optional<at::Tensor> rotation_;
+  bool sandwich_ = false;
+  Activation activation_ = kSilu;
 };
 
 }  // namespace
@@ -211,6 +312,14 @@ void bind_decode_stack(py::module& m) {
            "one decoder layer: its norms' weights, its KV cache slot and its four linear layers "
            "as (type, tensors, bias, kind, group, int8_activations[, (weight_ptr, n, k_padded, "
            "rows, block) of packed_gemv, or a concatenation's parts' tuples])")
+      .def("set_layer_options", &DecodeStack::set_layer_options,
+           "the last added layer's KV cache group, rope table, window (0: none), soft cap (0: "
+           "none), q/k norms and (sandwich layers) pre- and post-feedforward norms",
+           py::arg("group"), py::arg("rope"), py::arg("window"), py::arg("softcap"),
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("norm3"), py::arg("norm4"))
+      .def("set_style", &DecodeStack::set_style,
+           "before the layers: sandwich (Gemma's four norms) or pre-norm layers, and the MLP's "
+           "activation (silu, gelu_tanh, gelu)", py::arg("sandwich"), py::arg("activation"))
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_kv_scales", &DecodeStack::set_kv_scales,
            "fp8 KV pages: every layer's K and V scales, in layer order", py::arg("k_scales"),
@@ -219,5 +328,6 @@ void bind_decode_stack(py::module& m) {
            "quantized KV pages with key smoothing: every layer's key offset (or none) and the "
            "rotation (or None)", py::arg("k_offsets"), py::arg("rotation"))
       .def("forward", &DecodeStack::forward,
-           "every layer of an all-decode step: (last MLP output, residual)");
+           "every layer of an all-decode step: (last MLP output, residual) for pre-norm layers, "
+           "(residual) for sandwich ones");
 }

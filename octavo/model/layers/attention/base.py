@@ -45,6 +45,17 @@ class AttentionMetadata:
     prefill_start_pos: torch.Tensor | None = None
 
 
+def decode_step_args(metas: list[AttentionMetadata], rows: int) -> tuple | None:
+    """For a step whose `rows` rows are all single-token decodes in every KV cache group: each
+    group's slot mapping, decode block tables, context lengths and first positions, as lists
+    (the C++ decode loop's arguments, decode_stack.py); else None."""
+    for meta in metas:
+        if meta.prefills or meta.num_decodes != rows:
+            return None
+    return ([m.slot_mapping for m in metas], [m.decode_block_tables for m in metas],
+            [m.decode_context_lens for m in metas], [m.decode_first_pos for m in metas])
+
+
 def prefill_batch(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The prefill chunks as one batch, built on first use and kept with the step's metadata
     (every layer reads the same): each chunk's block table padded to one width
