@@ -80,6 +80,8 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
   }
   for (int64_t b = 0; b < X.nb; ++b) {
     const uint8_t* blk = row + b * kBytes[KIND];
+    if (MT == 1)  // a decode's one row: ask for the bytes kStreamAhead past this super-block
+      for (int64_t l = 0; l < kBytes[KIND]; l += 64) __builtin_prefetch(blk + kStreamAhead + l, 0, 3);
     const int8_t* xq[MT];
     const int16_t* bs[MT];
     float dx[MT];
