@@ -84,6 +84,8 @@ def _layer_problem(layer: nn.Module, dtype: torch.dtype) -> str | None:
         norms += [attn.q_norm, attn.k_norm]
     if any(type(n) is not norm_type for n in norms):
         return "a norm of another type"
+    if any(n.eps != layer.input_layernorm.eps for n in norms):
+        return "norms with different eps"  # the loop takes one
     if not attn.rope:
         return "layers without RoPE"
     if attn.ops is None or any(n.ops is None for n in norms) or any(
