@@ -117,6 +117,9 @@ def _why_not(model: nn.Module, backend: Any, dtype: torch.dtype, enabled: bool) 
         if problem is not None:
             return problem
     first = model.layers[0].self_attn
+    if any(layer.input_layernorm.eps != model.layers[0].input_layernorm.eps
+           for layer in model.layers):
+        return "norms with different eps"
     if any(layer.self_attn.scale != first.scale for layer in model.layers):
         return "attention scales differing by layer"
     if any((layer.self_attn.q_norm is None) != (first.q_norm is None) for layer in model.layers):
