@@ -12,7 +12,9 @@ Speed: long-context decode, where a step is bound by reading K/V: one sequence a
 and 16 sequences at 2k (--quick: one at 512, auto and int8), random token prompts. One
 engine per KV format prefills the same prompts, then their decode steps are timed in 3 windows
 of WINDOW_STEPS steps after a warm-up window, interleaved between the engines; tok/s is the
-median window's. The CPU's flags and each engine's kernel path are recorded.
+median window's, counting the tokens its steps produced (every sequence has room to run to
+the last window, and the fewest running in any window is recorded). The CPU's flags and each
+engine's kernel path are recorded.
 
 --workload picks parts: `quality`, `1x8k` (one sequence, long context), `16x2k` (16
 sequences); all three by default (a 1.5B model's 16 x 2k prefill takes a long while on 2 cores).
@@ -33,6 +35,7 @@ from octavo.bench.common import BenchResult, md_table, median
 from octavo.bench.engine_run import greedy_params, make_llm
 from octavo.bench.options import BenchOptions
 from octavo.bench.quant import PROMPTS, sequence_logits
+from octavo.engine_args import EngineArgs
 from octavo.llm import LLM
 from octavo.sampling_params import SamplingParams
 
@@ -71,7 +74,13 @@ def decode_speeds(opts: BenchOptions, formats: tuple[str, ...], num_seqs: int, c
     per KV format, all prefilled first, then their timed windows interleaved (window w of every
     engine before window w + 1 of any), so that a machine whose speed drifts favours none."""
     vocab = workloads.SMOLLM2_VOCAB if not opts.model else 256
-    steps = WINDOW_STEPS * (WINDOWS + 1)
+    # the sequences prefilled first decode while the later ones prefill, a token a step, and
+    # a step gives the prefills at least the budget less the decodes: room for those tokens,
+    # so that every sequence still runs in the last timed window
+    budget = int(opts.engine_overrides.get("max_num_batched_tokens",
+                                           EngineArgs().max_num_batched_tokens))
+    early = -(-num_seqs * context // max(1, budget - num_seqs)) + num_seqs
+    steps = WINDOW_STEPS * (WINDOWS + 1) + early
     context = min(context, model_max_len(opts.model) - steps - 2)  # a small --model
     total = context + steps + 2
     blocks = num_seqs * -(-total // 16) + 4
@@ -96,11 +105,13 @@ def decode_speeds(opts: BenchOptions, formats: tuple[str, ...], num_seqs: int, c
     for w in range(WINDOWS + 1):
         for r in runs:
             engine = r["llm"].engine
+            made = 0  # the tokens the window's steps produced (a finished sequence adds none)
             t = time.perf_counter()
             for _ in range(WINDOW_STEPS):
-                engine.step()
+                made += sum(1 for out in engine.step() if out.outputs[0].token_ids)
             if w:  # the first window warms up
-                r["rates"].append(num_seqs * WINDOW_STEPS / (time.perf_counter() - t))
+                r["rates"].append(made / (time.perf_counter() - t))
+                r["running"] = min(r.get("running", num_seqs), made // WINDOW_STEPS)
     results = []
     for r in runs:
         llm = r.pop("llm")
@@ -109,6 +120,7 @@ def decode_speeds(opts: BenchOptions, formats: tuple[str, ...], num_seqs: int, c
         results.append({"kv_cache_dtype": r["kv_cache_dtype"], "num_seqs": num_seqs,
                         "context": context, "decode_tok_s": median(r["rates"]),
                         "windows_tok_s": [round(x, 2) for x in r["rates"]],
+                        "min_running": r["running"],
                         "prefill_s": r["prefill_s"],
                         "kv_bytes_per_token": llm.stats()["kv_bytes_per_token"],
                         "kernel_path": llm.engine.kernel_path()})
@@ -173,10 +185,10 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
         rows.append([f"{r['num_seqs']} x {r['context']}", r["kv_cache_dtype"],
                      r["kv_bytes_per_token"], r["decode_tok_s"],
                      r["decode_tok_s"] / base_rate, ", ".join(map(str, r["windows_tok_s"])),
-                     r["prefill_s"]])
+                     r["min_running"], r["prefill_s"]])
     md.append(md_table(["sequences x context", "kv_cache_dtype", "bytes/token",
-                        "decode tok/s (median)", "x auto", "windows", "prefill s"], rows,
-                       digits=3))
+                        "decode tok/s (median)", "x auto", "windows",
+                        "fewest running in a window", "prefill s"], rows, digits=3))
     config = {"prompts": len(texts), "continuation": continuation,
               "window_steps": WINDOW_STEPS, "windows": WINDOWS,
               "threads": torch.get_num_threads(), "model": opts.model or "SmolLM2-135M"}

@@ -110,6 +110,20 @@ def test_kvquant_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> No
     assert [r["kv_cache_dtype"] for r in results["speed"]] == ["auto", "int8"]
 
 
+def test_kvquant_speed_windows_keep_every_sequence_running(tiny_llama_dir: Path) -> None:
+    """The sequences prefilled first decode while the others prefill (a small step budget
+    spreads the prompts over many steps): they still have tokens left in the last timed
+    window, so every window's rate is that of the whole batch."""
+    from octavo.bench.kv_quant import decode_speeds
+    from octavo.bench.options import BenchOptions
+
+    opts = BenchOptions(model=str(tiny_llama_dir),
+                        engine_overrides={"max_num_batched_tokens": 64})
+    [row] = decode_speeds(opts, ("auto",), num_seqs=4, context=60)
+    assert row["min_running"] == 4
+    assert row["context"] == 60 and len(row["windows_tok_s"]) == 3
+
+
 def test_kvquant_parts(tiny_llama_dir: Path, tmp_path: Path) -> None:
     base = ["kvquant", "--quick", "--threads", "1", "--model", str(tiny_llama_dir), "--out",
             str(tmp_path)]
