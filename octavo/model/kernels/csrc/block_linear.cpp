@@ -273,12 +273,38 @@ void quantize_x(const float* x, int64_t K, int8_t* q, float* dx, float* xs) {
   }
 }
 
-// the fp16 scales (and mins) of blocks b0..b0+cnt-1 of a row as fp32, zero past cnt
-inline void widen8(const uint16_t* h, int64_t cnt, float* out) {
-  for (int i = 0; i < 8; ++i) out[i] = i < cnt ? half_to_float(h[i]) : 0.f;
+#if defined(__AVX2__)
+// the fp16 scales (sr) and, 4-bit, mins (mr) of blocks b0..b0+cnt-1 of one weight row as fp32
+// lanes, zero past cnt (a group of 64 or 128 repeats its scale). per_block: W.group == 32,
+// computed once by the caller (read from W here, it cost idot1 15% on a Q8_0 LM head: the
+// kernel's stores may alias W, so it was reloaded and tested on every call)
+template <int KIND>
+inline void block_scales(const Weights& W, bool per_block, const uint16_t* sr,
+                         const uint16_t* mr, int64_t b0, int64_t cnt, __m256& dw, __m256& mw) {
+  mw = _mm256_setzero_ps();
+  if (per_block) {  // a row's last blocks (cnt < 8) through a zero-padded copy
+    alignas(16) uint16_t sh[8] = {0}, mh[8] = {0};
+    const uint16_t* sp = sr + b0;
+    const uint16_t* mp = KIND == 0 ? mr + b0 : nullptr;
+    if (cnt < 8) {
+      std::memcpy(sh, sp, cnt * sizeof(uint16_t));
+      if (KIND == 0) std::memcpy(mh, mp, cnt * sizeof(uint16_t));
+      sp = sh, mp = mh;
+    }
+    dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    if (KIND == 0) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp)));
+    return;
+  }
+  alignas(32) float d8[8], m8[8];
+  for (int i = 0; i < 8; ++i) {
+    const int64_t g = (b0 + i) >> W.group_shift;
+    d8[i] = i < cnt ? half_to_float(sr[g]) : 0.f;
+    m8[i] = KIND == 0 && i < cnt ? half_to_float(mr[g]) : 0.f;
+  }
+  dw = _mm256_load_ps(d8);
+  if (KIND == 0) mw = _mm256_load_ps(m8);
 }
 
-#if defined(__AVX2__)
 inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -300,35 +326,17 @@ void idot(const Weights& W, int64_t n0, const QuantX& X, int64_t m0, float* out,
 #endif
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const int64_t G = W.groups(), per_group = W.group / 32;
+  const int64_t G = W.groups();
+  const bool per_block = W.group == 32;
   for (int64_t b0 = 0; b0 < X.nb; b0 += 8) {
     const int64_t cnt = std::min<int64_t>(8, X.nb - b0);
     alignas(32) float dw[NR][8], mw[NR][8], cs[NR][MT][8];
     for (int r = 0; r < NR; ++r) {
-      // scales per block (a group of 64 or 128 repeats its scale)
-      const uint16_t* sr = W.scale + (n0 + r) * G;
-      const uint16_t* mr = KIND == 0 ? W.mins + (n0 + r) * G : nullptr;
-      if (per_group == 1) {  // a row's last blocks (cnt < 8) through a zero-padded copy
-        alignas(16) uint16_t sh[8] = {0}, mh[8] = {0};
-        const uint16_t* sp = sr + b0;
-        const uint16_t* mp = KIND == 0 ? mr + b0 : nullptr;
-        if (cnt < 8) {
-          std::memcpy(sh, sp, cnt * sizeof(uint16_t));
-          if (KIND == 0) std::memcpy(mh, mp, cnt * sizeof(uint16_t));
-          sp = sh, mp = mh;
-        }
-        _mm256_store_ps(dw[r], _mm256_cvtph_ps(
-                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp))));
-        if (KIND == 0)
-          _mm256_store_ps(mw[r], _mm256_cvtph_ps(_mm_loadu_si128(
-                                     reinterpret_cast<const __m128i*>(mp))));
-      } else {
-        for (int i = 0; i < 8; ++i) {
-          const int64_t g = (b0 + i) >> W.group_shift;
-          dw[r][i] = i < cnt ? half_to_float(sr[g]) : 0.f;
-          if (KIND == 0) mw[r][i] = i < cnt ? half_to_float(mr[g]) : 0.f;
-        }
-      }
+      __m256 d, mn;
+      block_scales<KIND>(W, per_block, W.scale + (n0 + r) * G,
+                         KIND == 0 ? W.mins + (n0 + r) * G : nullptr, b0, cnt, d, mn);
+      _mm256_store_ps(dw[r], d);
+      _mm256_store_ps(mw[r], mn);
       if (KIND == 0)
         for (int m = 0; m < MT; ++m)
           macc[r][m] = _mm256_fmadd_ps(_mm256_load_ps(mw[r]),
@@ -423,7 +431,8 @@ constexpr int kIRows = 4, kIMT = 4;
 // LM head of 262,144 x 640 at one thread: see prefetch_stream.
 template <int KIND, int NR>
 void idot1(const Weights& W, int64_t n0, const QuantX& X, float* out, const float* bias) {
-  const int64_t G = W.groups(), per_group = W.group / 32;
+  const int64_t G = W.groups();
+  const bool per_block = W.group == 32;
   const int64_t row = KIND == 0 ? W.K / 2 : W.K;
   const uint8_t* q[NR];
   const uint16_t* sr[NR];
@@ -443,28 +452,8 @@ void idot1(const Weights& W, int64_t n0, const QuantX& X, float* out, const floa
     const __m256 dx = _mm256_loadu_ps(X.dx + b0);  // zero past nb (nb_pad)
     alignas(32) float cs[NR][8];
     for (int r = 0; r < NR; ++r) {
-      __m256 dw, mw = _mm256_setzero_ps();
-      if (per_group == 1) {  // a row's last blocks (cnt < 8) through a zero-padded copy
-        alignas(16) uint16_t sh[8] = {0}, mh[8] = {0};
-        const uint16_t* sp = sr[r] + b0;
-        const uint16_t* mp = KIND == 0 ? mr[r] + b0 : nullptr;
-        if (cnt < 8) {
-          std::memcpy(sh, sp, cnt * sizeof(uint16_t));
-          if (KIND == 0) std::memcpy(mh, mp, cnt * sizeof(uint16_t));
-          sp = sh, mp = mh;
-        }
-        dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-        if (KIND == 0) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp)));
-      } else {
-        alignas(32) float d8[8], m8[8];
-        for (int i = 0; i < 8; ++i) {
-          const int64_t g = (b0 + i) >> W.group_shift;
-          d8[i] = i < cnt ? half_to_float(sr[r][g]) : 0.f;
-          m8[i] = KIND == 0 && i < cnt ? half_to_float(mr[r][g]) : 0.f;
-        }
-        dw = _mm256_load_ps(d8);
-        if (KIND == 0) mw = _mm256_load_ps(m8);
-      }
+      __m256 dw, mw;
+      block_scales<KIND>(W, per_block, sr[r], mr[r], b0, cnt, dw, mw);
       if (KIND == 0) macc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(X.xs + b0), macc[r]);
       _mm256_store_ps(cs[r], _mm256_mul_ps(dw, dx));
     }
@@ -495,7 +484,7 @@ void idot1(const Weights& W, int64_t n0, const QuantX& X, float* out, const floa
 template <int KIND, int NR, int MT>
 void idot(const Weights& W, int64_t n0, const QuantX& X, int64_t m0, float* out, int64_t ldo,
           const float* bias) {
-  const int64_t G = W.groups(), per_group = W.group / 32;
+  const int64_t G = W.groups();
   for (int r = 0; r < NR; ++r) {
     const int64_t n = n0 + r;
     for (int m = 0; m < MT; ++m) {
