@@ -30,11 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.config import ModelConfig
-from octavo.model.layers.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    decode_step_args,
-)
+from octavo.model.layers.attention.base import AttentionBackend, AttentionMetadata
 from octavo.model.layers.decoder import MLP, Attention, RMSNorm, RotaryEmbedding
 from octavo.model.layers.kv_cache import KVCache
 from octavo.model.layers.weights import Put, Take
@@ -178,10 +174,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if self.local_rope and any(self.local):
             local_cos, local_sin = self._local_rotary(positions.device)(positions, x.dtype,
                                                                        fp32_rows)
-        args = None
-        if (self.decode_stack is not None and num_layers is None
-                and x.shape[0] <= self.decode_stack.max_rows()):
-            args = decode_step_args(metas, x.shape[0])
+        args = self.decode_stack_args(metas, x.shape[0], num_layers)
         if args is not None:  # every layer in the C++ loop
             (x,) = self.decode_stack.forward(x, [cos, local_cos], [sin, local_sin],
                                              kv_cache.device_cache, *args)

@@ -63,10 +63,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype, fp32_rows=self.norm.ops is not None)
         residual = None
-        args = None
-        if (self.decode_stack is not None and num_layers is None
-                and x.shape[0] <= self.decode_stack.max_rows()):
-            args = decode_step_args(metas, x.shape[0])
+        args = self.decode_stack_args(metas, x.shape[0], num_layers)
         if args is not None:  # every layer in the C++ loop
             x, residual = self.decode_stack.forward(x, [cos], [sin], kv_cache.device_cache,
                                                     *args)
@@ -78,6 +75,15 @@ class LlamaForCausalLM(nn.Module):
                                 backend)
         h = residual[logit_indices] + x[logit_indices] if residual is not None else x[logit_indices]
         return self.lm_head(self.norm(h)).float()
+
+    def decode_stack_args(self, metas: list[AttentionMetadata], rows: int,
+                          num_layers: int | None) -> tuple | None:
+        """The C++ decode loop's per-group arguments when it runs this step (every layer, every
+        row a single-token decode, no more rows than it takes), else None."""
+        if (self.decode_stack is None or num_layers is not None
+                or rows > self.decode_stack.max_rows()):
+            return None
+        return decode_step_args(metas, rows)
 
     def use_cpu_ops(self, ops: Any, packed_gemv_rows: int | None = None) -> None:
         """Route RMSNorm, RoPE and SiLU-and-mul through the compiled CPU ops (None: torch),

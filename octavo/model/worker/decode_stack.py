@@ -60,8 +60,8 @@ def _linear_spec(m: nn.Module) -> tuple | None:
     return None
 
 
-def _layer_problem(layer: nn.Module, dtype: torch.dtype) -> str | None:
-    """Why this decoder layer cannot run in the loop, or None."""
+def _layer_problem(layer: nn.Module, dtype: torch.dtype, eps: float) -> str | None:
+    """Why this decoder layer cannot run in the loop (whose norms all take `eps`), or None."""
     attn = layer.self_attn
     if type(layer) is DecoderLayer:
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -84,7 +84,7 @@ def _layer_problem(layer: nn.Module, dtype: torch.dtype) -> str | None:
         norms += [attn.q_norm, attn.k_norm]
     if any(type(n) is not norm_type for n in norms):
         return "a norm of another type"
-    if any(n.eps != layer.input_layernorm.eps for n in norms):
+    if any(n.eps != eps for n in norms):
         return "norms with different eps"  # the loop takes one
     if not attn.rope:
         return "layers without RoPE"
@@ -113,13 +113,10 @@ def _why_not(model: nn.Module, backend: Any, dtype: torch.dtype, enabled: bool) 
     if len(kinds) != 1:
         return "layers of several types"
     for layer in model.layers:
-        problem = _layer_problem(layer, dtype)
+        problem = _layer_problem(layer, dtype, model.layers[0].input_layernorm.eps)
         if problem is not None:
             return problem
     first = model.layers[0].self_attn
-    if any(layer.input_layernorm.eps != model.layers[0].input_layernorm.eps
-           for layer in model.layers):
-        return "norms with different eps"
     if any(layer.self_attn.scale != first.scale for layer in model.layers):
         return "attention scales differing by layer"
     if any((layer.self_attn.q_norm is None) != (first.q_norm is None) for layer in model.layers):
