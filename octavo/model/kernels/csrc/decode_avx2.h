@@ -79,6 +79,10 @@ void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const i
                      int64_t row, int64_t block_size, float softcap, float* m, float* l,
                      float* acc, T* out) {
   constexpr int C = HD / 8;
+  // register blocking, measured on head sizes 128 and 256 (docs/bench/notes/attention-decode.md)
+  constexpr int GB = 4;              // query heads whose V sums are in registers at a time
+  constexpr int CV = C < 2 ? C : 2;  // vectors of a V row per head in registers at a time
+  constexpr int CQ = C < 2 ? C : 2;  // q vectors held in registers at a time
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_elems = block_size * row;
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
@@ -86,6 +90,7 @@ void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const i
   for (int64_t h = 0; h < num_heads; ++h) m[h] = neg_inf, l[h] = 0.f;
   for (int64_t i = 0; i < num_heads * HD; ++i) acc[i] = 0.f;
   alignas(32) float buf[8];
+  alignas(32) float pw[8 * GB];  // softmax weights of GB query heads for 8 keys
   const int64_t nblocks = (len + block_size - 1) / block_size;
   const int64_t j0 = lo / block_size;
   // the next block is prefetched a slice after each query head's scores (block_prefetch.h)
@@ -101,45 +106,70 @@ void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const i
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         const T* kh = kb + kvh * HD;
         const T* vh = vb + kvh * HD;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t head = kvh * group + g;
-          const float* qh = q + head * HD;
-          __m256 part[8];
-          for (int t = 0; t < 8; ++t) {
-            if (t < n) {
-              __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kh + t * row));
-              for (int c = 1; c < C; ++c)
-                s = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), load8(kh + t * row + 8 * c), s);
-              part[t] = s;
-            } else {
-              part[t] = _mm256_setzero_ps();
+        // the group's query heads GB at a time: each head's scores and softmax weights, then
+        // the V rows, each read once for the GB heads (CV of a row's vectors at a time)
+        for (int64_t g0 = 0; g0 < group; g0 += GB) {
+          const int gn = static_cast<int>(std::min<int64_t>(GB, group - g0));
+          for (int gi = 0; gi < gn; ++gi) {
+            const int64_t head = kvh * group + g0 + gi;
+            const float* qh = q + head * HD;
+            // CQ vectors of q stay in registers while the 8 keys' partial sums take them, so
+            // each FMA loads one operand (the key's), not two. Each lane adds its products
+            // in the same order as a whole-row loop (an FMA onto zero is the rounded product).
+            __m256 part[8];
+            for (int t = 0; t < 8; ++t) part[t] = _mm256_setzero_ps();
+            for (int c0 = 0; c0 < C; c0 += CQ) {
+              __m256 qv[CQ];
+              for (int c = 0; c < CQ; ++c) qv[c] = _mm256_loadu_ps(qh + 8 * (c0 + c));
+              for (int t = 0; t < 8; ++t) {
+                if (t < n) {
+                  const T* kt = kh + t * row + 8 * c0;
+                  for (int c = 0; c < CQ; ++c)
+                    part[t] = _mm256_fmadd_ps(qv[c], load8(kt + 8 * c), part[t]);
+                }
+              }
             }
+            _mm256_store_ps(buf, sum_lanes8(part));
+            for (int t = 0; t < 8; ++t)
+              buf[t] = t >= n ? neg_inf : (softcap > 0.f ? softcap * std::tanh(buf[t] / softcap)
+                                                         : buf[t]);
+            const __m256 scores = _mm256_load_ps(buf);
+            const float block_max = reduce_max8(scores);
+            if (block_max > m[head]) {
+              float* a = acc + head * HD;
+              const float f = m[head] == neg_inf ? 0.f : std::exp(m[head] - block_max);
+              for (int i = 0; i < HD; ++i) a[i] *= f;
+              l[head] *= f;
+              m[head] = block_max;
+            }
+            const __m256 p = exp8(_mm256_sub_ps(scores, _mm256_set1_ps(m[head])));
+            l[head] += reduce_add8(p);
+            _mm256_store_ps(pw + 8 * gi, p);
+            ahead.some();
           }
-          _mm256_store_ps(buf, sum_lanes8(part));
-          for (int t = 0; t < 8; ++t)
-            buf[t] = t >= n ? neg_inf : (softcap > 0.f ? softcap * std::tanh(buf[t] / softcap)
-                                                       : buf[t]);
-          const __m256 scores = _mm256_load_ps(buf);
-          const float block_max = reduce_max8(scores);
-          float* a = acc + head * HD;
-          if (block_max > m[head]) {
-            const float f = m[head] == neg_inf ? 0.f : std::exp(m[head] - block_max);
-            for (int i = 0; i < HD; ++i) a[i] *= f;
-            l[head] *= f;
-            m[head] = block_max;
+          // acc[head] += p[head][t] * v_t; each lane still adds its keys in the same order
+          float* a0 = acc + (kvh * group + g0) * HD;
+          for (int c0 = 0; c0 < C; c0 += CV) {
+            __m256 av[GB][CV];
+            for (int gi = 0; gi < GB; ++gi)
+              if (gi < gn)
+                for (int c = 0; c < CV; ++c)
+                  av[gi][c] = _mm256_loadu_ps(a0 + gi * HD + 8 * (c0 + c));
+            for (int t = 0; t < n; ++t) {
+              __m256 vv[CV];
+              for (int c = 0; c < CV; ++c) vv[c] = load8(vh + t * row + 8 * (c0 + c));
+              for (int gi = 0; gi < GB; ++gi) {
+                if (gi < gn) {
+                  const __m256 pt = _mm256_broadcast_ss(pw + 8 * gi + t);
+                  for (int c = 0; c < CV; ++c) av[gi][c] = _mm256_fmadd_ps(pt, vv[c], av[gi][c]);
+                }
+              }
+            }
+            for (int gi = 0; gi < GB; ++gi)
+              if (gi < gn)
+                for (int c = 0; c < CV; ++c)
+                  _mm256_storeu_ps(a0 + gi * HD + 8 * (c0 + c), av[gi][c]);
           }
-          const __m256 p = exp8(_mm256_sub_ps(scores, _mm256_set1_ps(m[head])));
-          l[head] += reduce_add8(p);
-          _mm256_store_ps(buf, p);
-          ahead.some();
-          __m256 av[C];
-          for (int c = 0; c < C; ++c) av[c] = _mm256_loadu_ps(a + 8 * c);
-          for (int t = 0; t < n; ++t) {
-            const __m256 pt = _mm256_set1_ps(buf[t]);
-            for (int c = 0; c < C; ++c)
-              av[c] = _mm256_fmadd_ps(pt, load8(vh + t * row + 8 * c), av[c]);
-          }
-          for (int c = 0; c < C; ++c) _mm256_storeu_ps(a + 8 * c, av[c]);
         }
       }
     }
