@@ -1,9 +1,13 @@
 """octavo against llama.cpp on the same GGUF file: single-stream speed and resident memory.
 
-Speed: llama-bench's pp/tg shape on both (a random prompt of --prompt tokens prefilled alone,
-then --gen new tokens after it), at each thread count, medians of --repeats after a warm-up;
-octavo through `LLM` with the file's blocks kept (its default for a GGUF file), llama.cpp
-through `llama-bench -o json`. Memory: the resident set of `octavo serve` and of
+Speed: llama-bench's tests on both, at each thread count, medians of --repeats after a warm-up
+(llama-bench's own mean of them), in --rounds alternating rounds whose medians are compared:
+pp (a random prompt of --prompt tokens prefilled alone), tg (--gen tokens generated one at a
+time from an empty context: llama-bench's tg128, which octavo runs as a one-token prompt and
+its continuation, every token counted) and tg at depth (the same --gen tokens after a --prompt
+token context: llama-bench's `-d`; octavo counts the tokens after the prefill). octavo runs
+through `LLM` with the file's blocks kept (its default for a GGUF file), llama.cpp through
+`llama-bench -o json`. Memory: the resident set of `octavo serve` and of
 `llama-server` on the same file, after start-up, with the same context (--ctx) and one
 sequence's KV cache (octavo: --max-model-len ctx and ctx / 16 blocks of 16 tokens for each KV
 cache group: one, or one per window pattern of a sliding-window model).
@@ -60,24 +64,31 @@ def octavo_speed(model: str, threads: int, prompt: int, gen: int, repeats: int) 
     torch.set_num_threads(threads)
     llm = LLM(model=model, max_model_len=prompt + gen + 16, enable_prefix_caching=False)
     vocab = llm.engine.runner.config.vocab_size
-    pp, tg = [], []
+    pp, tg, tg_deep = [], [], []
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    full = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+
+    def timed(ids: list[int], params: SamplingParams) -> float:
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        return time.perf_counter() - t
+
     for rep in range(repeats + 1):  # the first is a warm-up
         rng = random.Random(rep)
         ids = [rng.randrange(100, min(vocab, 30000)) for _ in range(prompt)]
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        full = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
-        prefill_s = time.perf_counter() - t
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], full, use_tqdm=False)
-        total_s = time.perf_counter() - t
+        # tg: from an empty context, as llama-bench's tg runs: a one-token prompt's step and
+        # the gen - 1 decode steps after it, gen model calls of one token each
+        start_s = timed(ids[:1], full)
+        prefill_s = timed(ids, one)
+        total_s = timed(ids, full)
         if rep:
             pp.append(prompt / prefill_s)
-            tg.append((gen - 1) / (total_s - prefill_s))
+            tg.append(gen / start_s)
+            tg_deep.append((gen - 1) / (total_s - prefill_s))
     path = llm.engine.runner.kernel_path()
     stats = llm.stats()
     return {"pp_tok_s": statistics.median(pp), "tg_tok_s": statistics.median(tg),
+            f"tg_d{prompt}_tok_s": statistics.median(tg_deep),
             "weights_bytes": stats.get("weights_bytes"), "kernel_path": path}
 
 
@@ -89,7 +100,14 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, prompt: int, gen: int,
     rows = json.loads(out.stdout)
     pp = next(r for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
     tg = next(r for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)
+    # tg at depth: the same generation after a `prompt`-token context (llama-bench's -d)
+    deep = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n",
+                           str(gen), "-d", str(prompt), "-t", str(threads), "-r", str(repeats),
+                           "-o", "json"], capture_output=True, text=True, check=True)
+    tg_deep = next(r for r in json.loads(deep.stdout)
+                   if r["n_gen"] == gen and r.get("n_depth") == prompt)
     return {"pp_tok_s": pp["avg_ts"], "tg_tok_s": tg["avg_ts"],
+            f"tg_d{prompt}_tok_s": tg_deep["avg_ts"],
             "build": f"{rows[0].get('build_commit', '?')} ({rows[0].get('build_number', '?')})"}
 
 
@@ -136,6 +154,8 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of llama-bench and octavo per thread count")
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
@@ -148,13 +168,24 @@ def main() -> int:
     result: dict = {"model": args.model, "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
                     "cpu": cpu_name(), "flags": cpu_flags(), "cores": os.cpu_count(),
                     "load_avg_before": os.getloadavg(), "speed": []}
+    tests = ("pp", "tg", f"tg_d{args.prompt}")
     for t in args.threads:
-        ll = llama_bench(args.llama_bin, gguf, t, args.prompt, args.gen, args.repeats)
-        oc = octavo_speed(args.model, t, args.prompt, args.gen, args.repeats)
-        result["speed"].append({"threads": t, "octavo": oc, "llama.cpp": ll,
-                                "pp_ratio": oc["pp_tok_s"] / ll["pp_tok_s"],
-                                "tg_ratio": oc["tg_tok_s"] / ll["tg_tok_s"]})
-        print(json.dumps(result["speed"][-1], default=str), flush=True)
+        # the machine's load drifts: the two run in alternating rounds, medians over rounds
+        lls, ocs = [], []
+        for _ in range(args.rounds):
+            lls.append(llama_bench(args.llama_bin, gguf, t, args.prompt, args.gen, args.repeats))
+            ocs.append(octavo_speed(args.model, t, args.prompt, args.gen, args.repeats))
+        ll, oc = dict(lls[0]), dict(ocs[0])
+        row: dict = {"threads": t, "octavo": oc, "llama.cpp": ll}
+        for test in tests:
+            key = f"{test}_tok_s"
+            ll[key] = statistics.median(r[key] for r in lls)
+            oc[key] = statistics.median(r[key] for r in ocs)
+            row[f"{test}_ratio"] = oc[key] / ll[key]
+            row[f"{test}_rounds"] = {"octavo": [r[key] for r in ocs],
+                                     "llama.cpp": [r[key] for r in lls]}
+        result["speed"].append(row)
+        print(json.dumps(row, default=str), flush=True)
     if not args.skip_memory:
         from octavo.config import ModelConfig
 

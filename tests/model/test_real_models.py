@@ -124,6 +124,13 @@ def test_gguf_blocks_agree_with_transformers(real) -> None:
     assert top1 >= 0.97, (name, top1)
     assert kl.mean() <= 0.01, (name, kl.mean())
     assert llm.stats()["kv_blocks_used"] == 0
+    # the weights held: within 10% of the file's tensor bytes (every type kept in its blocks)
+    from gguf import GGUFReader
+
+    from octavo.model.sources import gguf_source, resolve_model_dir
+
+    tensors = sum(int(t.n_bytes) for t in GGUFReader(gguf_source(resolve_model_dir(name))).tensors)
+    assert llm.stats()["weights_bytes"] <= 1.10 * tensors, (llm.stats()["weights_bytes"], tensors)
 
 
 @pytest.mark.slow

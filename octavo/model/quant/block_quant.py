@@ -1,6 +1,6 @@
-"""Linear layers whose weights stay in 4-bit or 8-bit blocks: `quantization="int4"` (quantized
-at load from an fp32/bf16 model) and `quantization="gguf"` (a GGUF file's Q4_0, Q4_1 and Q8_0
-tensors, kept as the file has them: gguf_weights.py).
+"""Linear layers whose weights stay in 4-, 5- or 8-bit blocks: `quantization="int4"` (quantized
+at load from an fp32/bf16 model) and `quantization="gguf"` (a GGUF file's Q4_0, Q4_1, Q5_0 and
+Q8_0 tensors, kept as the file has them: gguf_weights.py).
 
 The formats are GGUF's, with the parts of each block stored as planes (the same bits, rows
 stay rows):
@@ -10,6 +10,10 @@ stay rows):
   (d, m); Q4_0 is w = (q - 8) * d, so min = -8d (exact in float16); `int4` takes each group's
   (max - min) / 15 and min (group 32 or 128).
 - 8-bit (`kind` 1): q int8 [N, K], float16 scale per 32 weights, w = q * scale (GGUF's Q8_0).
+- 5-bit (`kind` 5, GGUF's Q5_0): q uint8 [N, K/32 * 20], each block of 32 its 16 bytes of low
+  nibbles (as the 4-bit kind packs them) then the 4 bytes of fifth bits (bit j: element j's),
+  float16 scale per 32 weights, w = (x - 16) * scale with x in 0..31. The kernel unpacks a block
+  to the signed bytes x - 16 and computes them as the 8-bit kind's.
 
 The compiled kernel (csrc/block_linear.cpp) widens each block to fp32 in registers and
 multiplies it with the fp32 activations (fp32 accumulation): decode never holds a dequantized
@@ -41,7 +45,8 @@ from octavo.model.quant import kquant
 
 logger = logging.getLogger(__name__)
 
-INT4, INT8 = 0, 1  # kernel kinds
+INT4, INT8, INT5 = 0, 1, 5  # kernel kinds (2-4 are the K-quants': kquant.py)
+Q5_BLOCK_BYTES = 20  # a 5-bit block of 32 weights in q
 BLOCK = 32
 SMALL_BATCH = 16  # rows up to which the register kernel runs (above: widened tiles + GEMM)
 TILE_ELEMENTS = 1 << 22  # fp32 elements of the widened tile the large-batch path reuses
@@ -85,9 +90,32 @@ def quantize_int8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k), scale.contiguous()
 
 
+def unpack_fives(q: torch.Tensor) -> torch.Tensor:
+    """5-bit blocks [N, K/32 * 20] uint8 -> their values x - 16 [N, K] int8 (in -16..15)."""
+    n = q.shape[0]
+    blocks = q.reshape(n, -1, Q5_BLOCK_BYTES)
+    low = unpack_nibbles(blocks[..., :16].reshape(n, -1)).reshape(n, -1, 32).to(torch.int16)
+    high = blocks[..., 16:].to(torch.int32)
+    bits = (high[..., 0] | high[..., 1] << 8 | high[..., 2] << 16 | high[..., 3] << 24)
+    fifth = (bits[..., None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return (low + 16 * fifth - 16).to(torch.int8).reshape(n, -1)
+
+
+def pack_fives(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of unpack_fives: [N, K] values in -16..15 -> [N, K/32 * 20] uint8."""
+    n, k = x.shape
+    u = (x.to(torch.int16) + 16).reshape(n, k // BLOCK, BLOCK)
+    low = pack_nibbles((u & 15).reshape(n, k)).reshape(n, k // BLOCK, 16)
+    bits = ((u >> 4).to(torch.int64) << torch.arange(32)).sum(-1)
+    high = torch.stack([(bits >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+    return torch.cat([low, high], dim=-1).reshape(n, -1).contiguous()
+
+
 def dequantize(kind: int, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,
                group: int) -> torch.Tensor:
     """The fp32 weight [N, K] the kernel computes with (the tests' reference)."""
+    if kind == INT5:
+        q = unpack_fives(q)
     if kind == INT4:
         values = unpack_nibbles(q).float()
         assert mins is not None
@@ -113,8 +141,8 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class BlockFormat:
-    name: str  # q4_0, q4_1, q8_0, int4, q4_k, q5_k, q6_k
-    kind: int  # INT4, INT8 or a K-quant's (kquant.Q4_K, Q5_K, Q6_K)
+    name: str  # q4_0, q4_1, q5_0, q8_0, int4, q4_k, q5_k, q6_k
+    kind: int  # INT4, INT8, INT5 or a K-quant's (kquant.Q4_K, Q5_K, Q6_K)
     group: int  # weights per block (K-quants: the super-block of 256)
     # decode quantizes the activations per block of 32 to int8 and takes integer dot
     # products (GGUF's formats, as llama.cpp computes them); False: fp32 activations
@@ -122,7 +150,8 @@ class BlockFormat:
 
     @property
     def bits(self) -> int:
-        return {INT4: 4, INT8: 8, kquant.Q4_K: 4, kquant.Q5_K: 5, kquant.Q6_K: 6}[self.kind]
+        return {INT4: 4, INT8: 8, INT5: 5, kquant.Q4_K: 4, kquant.Q5_K: 5,
+                kquant.Q6_K: 6}[self.kind]
 
     @property
     def kquant(self) -> bool:
@@ -130,7 +159,7 @@ class BlockFormat:
 
 
 class BlockQuantLinear(nn.Module):
-    """y = x W^T + b with W held in 4-bit or 8-bit blocks (see the module docstring)."""
+    """y = x W^T + b with W held in 4-, 5- or 8-bit blocks (see the module docstring)."""
 
     def __init__(self, fmt: BlockFormat, q: torch.Tensor, scale: torch.Tensor,
                  mins: torch.Tensor | None, bias: torch.Tensor | None) -> None:
@@ -151,7 +180,12 @@ class BlockQuantLinear(nn.Module):
                                                                requires_grad=False)
             self.ops = None
             return
-        self.in_features = q.shape[1] * (2 if fmt.kind == INT4 else 1)
+        if fmt.kind == INT5 and (q.shape[1] % Q5_BLOCK_BYTES or fmt.group != BLOCK):
+            raise ValueError(f"{fmt.name}: q must be whole {Q5_BLOCK_BYTES}-byte blocks of "
+                             f"{BLOCK} weights, one scale each")
+        self.in_features = (q.shape[1] * 2 if fmt.kind == INT4 else
+                            q.shape[1] // Q5_BLOCK_BYTES * BLOCK if fmt.kind == INT5 else
+                            q.shape[1])
         if self.in_features % fmt.group:
             raise ValueError(f"{fmt.name}: {self.in_features} input features are not a "
                              f"multiple of the group size {fmt.group}")

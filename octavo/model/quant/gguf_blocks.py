@@ -4,9 +4,9 @@ keeps in its blocks, and how a tensor's raw bytes become the tensors `BlockQuant
 - Q4_0, Q4_1, Q8_0 (blocks of 32): split into planes, quants, float16 scales and mins
   (block_quant.py's 4-bit and 8-bit kinds; Q4_0's w = (q - 8) d becomes q d + (-8 d)).
 - Q5_0 (blocks of 32; llama.cpp's Q4_K_M falls back to it where a row is not whole 256-weight
-  super-blocks, as Gemma 3 270M's 640 columns): its values, integers in [-16, 15], become Q8_0's
-  int8 ones with the same scale, so the weights are exactly the file's and run on the Q8_0
-  kernels, at 34 bytes a block of 32 instead of the file's 22 (fp32 would take 128).
+  super-blocks, as Gemma 3 270M's 640 columns): the float16 scale in the scale plane, the
+  file's 16 bytes of low nibbles and 4 bytes of fifth bits (in that order) a block of q,
+  block_quant.py's 5-bit kind: 22 bytes a block of 32, as in the file.
 - Q4_K, Q5_K, Q6_K (super-blocks of 256): one uint8 row of super-blocks per weight row, the
   file's bytes with Q4_K's and Q5_K's 6-bit scales and mins unpacked to a byte each
   (kquant.repack: 148 and 180 bytes a super-block instead of 144 and 176; Q6_K unchanged).
@@ -28,14 +28,14 @@ from torch import nn
 
 from octavo.model.quant import kquant
 from octavo.model.quant.block_concat import BlockConcat
-from octavo.model.quant.block_quant import INT4, INT8, BlockFormat, BlockQuantLinear
+from octavo.model.quant.block_quant import INT4, INT5, INT8, BlockFormat, BlockQuantLinear
 
 Q8_0 = BlockFormat("q8_0", INT8, 32, int8_activations=True)
 # GGML type name -> (format, bytes in the file per block of fmt.group weights)
 FORMATS = {
     "Q4_0": (BlockFormat("q4_0", INT4, 32, int8_activations=True), 18),
     "Q4_1": (BlockFormat("q4_1", INT4, 32, int8_activations=True), 20),
-    "Q5_0": (Q8_0, 22),  # its 5-bit values as Q8_0's int8 ones: the same weights exactly
+    "Q5_0": (BlockFormat("q5_0", INT5, 32, int8_activations=True), 22),
     "Q8_0": (Q8_0, 34),
     "Q4_K": (BlockFormat("q4_k", kquant.Q4_K, 256, int8_activations=True),
              kquant.FILE_BYTES[kquant.Q4_K]),
@@ -130,11 +130,8 @@ def _planes(type_name: str, raw: np.ndarray, rows: int, cols: int) -> Blocks | N
     elif type_name == "Q4_1":
         mins = blocks[..., 2:4].copy().view(np.float16).reshape(rows, cols // 32)
         q = blocks[..., 4:20].reshape(rows, cols // 2)
-    elif type_name == "Q5_0":  # x = (4 low bits | the high bit << 4) - 16 in [-16, 15], w = x d
-        high = blocks[..., 2:6].copy().view("<u4")  # bit j: element j's fifth bit
-        low = np.concatenate([blocks[..., 6:22] & 0x0F, blocks[..., 6:22] >> 4], axis=-1)
-        fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-        q = ((low | fifth).astype(np.int16) - 16).astype(np.int8).reshape(rows, cols)
+    elif type_name == "Q5_0":  # [d, 4 bytes of fifth bits, 16 of low nibbles] -> nibbles, bits
+        q = np.concatenate([blocks[..., 6:22], blocks[..., 2:6]], axis=-1).reshape(rows, -1)
         mins = None
     else:
         q = blocks[..., 2:34].copy().view(np.int8).reshape(rows, cols)

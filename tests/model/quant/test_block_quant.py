@@ -19,15 +19,18 @@ from octavo.model.quant import block_quant
 from octavo.model.quant.block_quant import (
     BLOCK,
     INT4,
+    INT5,
     INT8,
     SMALL_BATCH,
     BlockFormat,
     BlockQuantLinear,
     dequantize,
+    pack_fives,
     pack_nibbles,
     quantize_activations,
     quantize_int4,
     quantize_int8_blocks,
+    unpack_fives,
     unpack_nibbles,
 )
 from octavo.model.quant.quantization import quantize_model
@@ -48,6 +51,9 @@ def random_weights(kind: int, n: int, k: int, group: int, gen: torch.Generator):
     w = torch.randn(n, k, generator=gen)
     if kind == INT4:
         return quantize_int4(w, group)
+    if kind == INT5:  # Q5_0: values in -16..15 (every one of them in a large enough weight)
+        x = torch.randint(-16, 16, (n, k), generator=gen)
+        return pack_fives(x), (torch.rand(n, k // 32, generator=gen) / 8).half(), None
     q, scale = quantize_int8_blocks(w)
     return q, scale, None
 
@@ -153,7 +159,7 @@ def test_quantize_activations_matches_the_block_formula():
 # ---- the kernel ------------------------------------------------------------------------------
 
 KINDS = {"int4-g32": (INT4, 32, (32, 96, 288)), "int4-g128": (INT4, 128, (128, 384)),
-         "int8": (INT8, 32, (32, 96, 288))}
+         "int8": (INT8, 32, (32, 96, 288)), "q5_0": (INT5, 32, (32, 96, 288))}
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16)
 COLS = (1, 3, 37, 100)
 
@@ -228,6 +234,45 @@ def test_one_row_has_the_bits_of_a_batch_row(isa, fmt):
                         assert torch.equal(alone[0], part[i - max(0, i - m + 1)]), (k, n, i, m)
 
 
+def test_fives_pack_and_unpack_as_ggufs_q5_0():
+    """The 5-bit blocks hold the file's bytes (low nibbles, then the fifth bits, bit j for
+    element j), and unpack to x - 16: checked against the gguf package's Q5_0 dequantization
+    with a scale of 1."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randint(-16, 16, (6, 128), generator=gen)
+    x[0, :32] = torch.arange(-16, 16)  # every value at every position's parity
+    q = pack_fives(x)
+    assert q.dtype == torch.uint8 and q.shape == (6, 128 // 32 * 20)
+    assert torch.equal(unpack_fives(q), x.to(torch.int8))
+    blocks = q.reshape(6, 4, 20)
+    one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8).expand(6, 4, 2)
+    raw = torch.cat([one, blocks[..., 16:], blocks[..., :16]], dim=-1).reshape(6, -1).numpy()
+    theirs = gguf.quants.dequantize(raw, GGMLQuantizationType.Q5_0)
+    assert torch.equal(torch.from_numpy(theirs.astype("float32")), x.float())
+
+
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["fp32-act", "int8-act"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_q5_0_computes_as_its_bytes_in_8_bit_blocks(isa, int8_activations):
+    """A 5-bit block is unpacked to its signed bytes and computed as the 8-bit kind computes
+    them: the same bits, at every batch size (its files once loaded as those 8-bit blocks)."""
+    ops = ops_for(isa)
+    gen = torch.Generator().manual_seed(12)
+    for n, k in ((37, 288), (5, 640), (1, 32)):
+        q, scale, _ = random_weights(INT5, n, k, 32, gen)
+        q8 = unpack_fives(q)
+        for m in (1, 2, 5, 9, 16):
+            x = torch.randn(m, k, generator=gen)
+            five = ops.block_linear(x, INT5, q, scale, None, 32, None, int8_activations)
+            eight = ops.block_linear(x, INT8, q8, scale, None, 32, None, int8_activations)
+            assert torch.equal(five, eight), (n, k, m)
+        assert torch.equal(ops.block_dequantize(INT5, q, scale, None, 32, 0, n, None),
+                           ops.block_dequantize(INT8, q8, scale, None, 32, 0, n, None))
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_block_linear_kernel_on_extreme_values(isa):
     """Every nibble / byte value, full-range activations (the int8 path's integer sums must not
@@ -250,6 +295,14 @@ def test_block_linear_kernel_on_extreme_values(isa):
         got = ops.block_linear(x, INT8, q8, scale, None, 32, None, int8_activations)
         assert_matches(got, reference(INT8, q8, scale, None, 32, x, None, int8_activations))
         assert got[2].eq(0).all()
+        for v in (-16, 15):  # 5-bit extremes: every weight at one end, and all 32 values
+            q5 = torch.full((n, k), v, dtype=torch.int64)
+            q5[1::2] = torch.arange(k).remainder(32) - 16
+            got = ops.block_linear(x, INT5, pack_fives(q5), scale, None, 32, None,
+                                   int8_activations)
+            assert_matches(got, reference(INT5, pack_fives(q5), scale, None, 32, x, None,
+                                          int8_activations))
+            assert got[2].eq(0).all()
 
 
 @pytest.mark.parametrize("fmt", list(KINDS))
@@ -297,7 +350,8 @@ def make_layer(fmt: BlockFormat, n: int, k: int, bias: bool, seed: int) -> Block
 
 FORMATS = [BlockFormat("int4", INT4, 128), BlockFormat("q4_1", INT4, 32, int8_activations=True),
            BlockFormat("int8_blocks", INT8, 32),
-           BlockFormat("q8_0", INT8, 32, int8_activations=True)]
+           BlockFormat("q8_0", INT8, 32, int8_activations=True),
+           BlockFormat("q5_0", INT5, 32, int8_activations=True)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=[f.name for f in FORMATS])
@@ -310,7 +364,7 @@ def test_block_quant_linear_paths(ops_name, fmt, monkeypatch):
     n, k = 37, 256
     layer = make_layer(fmt, n, k, bias=True, seed=3)
     assert (layer.out_features, layer.in_features) == (n, k)
-    assert layer.fmt.bits == (4 if fmt.kind == INT4 else 8)
+    assert layer.fmt.bits == {INT4: 4, INT5: 5, INT8: 8}[fmt.kind]
     monkeypatch.setattr(block_quant, "TILE_ELEMENTS", 16 * k)
     spy = None
     if ops_name != "torch":
@@ -392,6 +446,13 @@ def test_kernel_rejects_bad_input():
         ops.block_linear(x, INT4, q.view(torch.int8), scale, mins, 32, None, False)
     with pytest.raises(RuntimeError, match="8-bit q must be int8"):
         ops.block_linear(x, INT8, q8.view(torch.uint8), scale8, None, 32, None, False)
+    q5, scale5, _ = random_weights(INT5, 8, 64, 32, gen)
+    with pytest.raises(RuntimeError, match="5-bit q must be uint8"):
+        ops.block_linear(x, INT5, q5.view(torch.int8), scale5, None, 32, None, False)
+    with pytest.raises(RuntimeError, match=r"5-bit q must be \[N, K/32 \* 20\] bytes"):
+        ops.block_linear(x, INT5, q5[:, :39].contiguous(), scale5, None, 32, None, False)
+    with pytest.raises(RuntimeError, match=r"5-bit q must be \[N, K/32 \* 20\] bytes"):
+        ops.block_dequantize(INT5, q5, scale5, None, 64, 0, 8, None)
     with pytest.raises(RuntimeError, match="kind must be 0"):
         ops.block_linear(x, 2, q8, scale8, None, 32, None, False)
     with pytest.raises(RuntimeError, match="bias must be"):

@@ -1,5 +1,5 @@
 """quantization="gguf" (model/quant/gguf_weights.py, gguf_blocks.py, model/gguf_loader.py): a
-GGUF file's Q4_0 / Q4_1 / Q8_0 weights kept in their blocks (Q5_0 as Q8_0's; the K-quants:
+GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 weights kept in their blocks (the K-quants:
 test_kquant.py), the model filled straight from the file. The key check: every block layer
 widens to exactly the fp32 weight transformers reads from the same file (rows unpermuted,
 q/k/v and gate/up concatenated), on the embedded default model (Q4_1, its LM head tied to a
@@ -22,7 +22,14 @@ from octavo.model.hf_reference import hf_reference_dir
 from octavo.model.kernels.cpu_ops import load_cpu_ops
 from octavo.model.quant import gguf_tensors
 from octavo.model.quant.block_concat import BlockConcat
-from octavo.model.quant.block_quant import INT4, INT8, BlockQuantLinear, dequantize
+from octavo.model.quant.block_quant import (
+    INT4,
+    INT5,
+    INT8,
+    BlockQuantLinear,
+    dequantize,
+    unpack_fives,
+)
 from octavo.model.quant.gguf_blocks import FORMATS, _planes
 from octavo.model.quant.gguf_file import GGUFFile
 from octavo.model.quant.gguf_tensors import check_architecture, unpermute_rows
@@ -232,7 +239,7 @@ def qtype_for(name: str):
     if name == "blk.1.attn_v.weight":
         return T.Q8_0
     if name == "blk.0.ffn_down.weight":
-        return T.Q5_0  # kept as Q8_0 blocks, exactly
+        return T.Q5_0
     kind = name.rsplit(".", 2)[-2]
     return {"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q4_0, "attn_output": T.Q4_1,
             "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "output": T.Q8_0,
@@ -282,7 +289,7 @@ def test_tiny_gguf_blocks_widen_to_transformers_weights_exactly(quant_gguf):
             assert module.ops is None  # fused_ops="torch"
     assert formats == {
         "layers.0.self_attn.qkv_proj": "q4_0", "layers.0.self_attn.o_proj": "q4_1",
-        "layers.0.mlp.gate_up_proj": "q4_1", "layers.0.mlp.down_proj": "q8_0",
+        "layers.0.mlp.gate_up_proj": "q4_1", "layers.0.mlp.down_proj": "q5_0",
         "layers.1.self_attn.o_proj": "q4_1", "layers.1.mlp.gate_up_proj": "q4_1",
         "layers.1.mlp.down_proj": "q8_0", "lm_head": "q8_0", "embed_tokens.table": "q8_0"}
     mixed = model.layers[1].self_attn.qkv_proj  # Q4_0 q and k, Q8_0 v: each in its blocks
@@ -433,9 +440,10 @@ def test_planes_q8_0(raw_values):
     assert q.dtype == torch.int8 and torch.equal(q, torch.from_numpy(q8)) and mins is None
 
 
-def test_planes_q5_0_become_q8_0_blocks_exactly(raw_values):
+def test_planes_q5_0(raw_values):
     """Q5_0: a float16 d, 4 bytes whose bit j is element j's fifth bit, then the low nibbles as
-    Q4_0 packs them; w = (x - 16) d with x in 0..31, kept as Q8_0's int8 values."""
+    Q4_0 packs them; w = (x - 16) d with x in 0..31. Kept as the file's 20 bytes of nibbles
+    and bits a block (reordered), the scale in its plane."""
     d, _, _, _ = raw_values
     rng = np.random.default_rng(1)
     x = rng.integers(0, 32, (ROWS, COLS))
@@ -448,8 +456,9 @@ def test_planes_q5_0_become_q8_0_blocks_exactly(raw_values):
     assert raw.shape == (ROWS, COLS // 32 * FORMATS["Q5_0"][1])
     want = (x.astype(np.float32) - 16) * expand(d)
     fmt, q, scale, mins = check_planes("Q5_0", raw, want)
-    assert fmt is FORMATS["Q8_0"][0] and mins is None
-    assert q.dtype == torch.int8 and torch.equal(q, torch.from_numpy((x - 16).astype(np.int8)))
+    assert fmt.kind == INT5 and fmt.name == "q5_0" and mins is None
+    assert q.dtype == torch.uint8 and q.shape == (ROWS, COLS // 32 * 20)
+    assert torch.equal(unpack_fives(q), torch.from_numpy((x - 16).astype(np.int8)))
 
 
 def test_planes_q4_0_large_scale_stays_dequantized():

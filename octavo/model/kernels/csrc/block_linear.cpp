@@ -6,7 +6,12 @@
 //     block in the low nibble of byte j and element j+16 in its high nibble (GGUF Q4_0/Q4_1);
 //     scale and min fp16 [N, K/group] (Q4_1: d and m; Q4_0: d and -8d; int4: a group's
 //     (max - min) / 15 and min);
-//   - kind 1, 8-bit: q int8 [N, K], scale fp16 [N, K/group] (GGUF Q8_0: group 32).
+//   - kind 1, 8-bit: q int8 [N, K], scale fp16 [N, K/group] (GGUF Q8_0: group 32);
+//   - kind 5, 5-bit (GGUF Q5_0): q uint8 [N, K/32 * 20], block b of row n in bytes
+//     20b..20b+19: the 16 bytes of low nibbles as the 4-bit kind packs them, then 4 bytes whose
+//     bit j (little-endian) is element j's fifth bit; scale fp16 [N, K/32]. A value x in 0..31
+//     is the weight (x - 16) * scale: it is unpacked to that signed byte and computed as the
+//     8-bit kind computes its bytes (so the same bits as the Q8_0 blocks it once became).
 // `group` (a multiple of 32) is how many weights share a scale. Small batches (decode) run the
 // register kernels below; block_dequantize widens rows for the large-batch path (prefill), which
 // multiplies a few rows at a time through the GEMM library.
@@ -87,8 +92,41 @@ inline void bytes(const int8_t* q, Vec* w) {
 #endif
 }
 
+// kind 5's block of 20 bytes -> its 32 values x - 16 as signed bytes, in element order
+inline void fives(const uint8_t* blk, int8_t* out) {
+  uint32_t high;
+  std::memcpy(&high, blk + 16, 4);
+  for (int j = 0; j < 16; ++j) {
+    out[j] = static_cast<int8_t>((blk[j] & 15) + 16 * ((high >> j) & 1) - 16);
+    out[j + 16] = static_cast<int8_t>((blk[j] >> 4) + 16 * ((high >> (j + 16)) & 1) - 16);
+  }
+}
+
+#if defined(__AVX2__)
+// the same in one register: byte j = element j. The 32 fifth bits become 32 bytes by
+// broadcasting byte j / 8 of them to byte j and testing bit j % 8 there; a clear bit makes
+// the low nibble negative (n | 0xF0 is n - 16 as a signed byte), a set one leaves it as is.
+inline __m256i fives8(const uint8_t* blk) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
+                                       _mm256_set1_epi8(0x0F));
+  uint32_t high;
+  std::memcpy(&high, blk + 16, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(high)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(low, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xF0))));
+}
+#endif
+
+// bytes a block of 32 weights takes in q, by kind
+template <int KIND>
+constexpr int64_t kBlockBytes = KIND == 0 ? 16 : KIND == 5 ? 20 : 32;
+
 struct Weights {
-  int kind;  // 0: 4-bit with min, 1: 8-bit
+  int kind;  // 0: 4-bit with min, 1: 8-bit, 5: 5-bit (Q5_0)
   int64_t K, group;
   const uint8_t* q;
   const uint16_t* scale;
@@ -96,6 +134,8 @@ struct Weights {
   int group_shift;  // log2(group / 32)
 
   int64_t groups() const { return K / group; }
+  template <int KIND>
+  int64_t row_bytes() const { return K / 32 * kBlockBytes<KIND>; }
 };
 
 // Every weight is read from memory once per step, and a thread walks its rows in order: while
@@ -105,8 +145,8 @@ constexpr int64_t kPrefetchRows = 8;
 
 template <int KIND>
 inline void prefetch_ahead(const Weights& W, int64_t n, int64_t b) {
-  const int64_t row = KIND == 0 ? W.K / 2 : W.K, block = KIND == 0 ? 16 : 32;
-  __builtin_prefetch(W.q + (n + kPrefetchRows) * row + b * block, 0, 3);
+  __builtin_prefetch(W.q + (n + kPrefetchRows) * W.row_bytes<KIND>() + b * kBlockBytes<KIND>,
+                     0, 3);
 }
 
 // One activation row on int8 activations (idot1, a decode's batch of one) reads its weights
@@ -119,9 +159,8 @@ constexpr int64_t kStreamAhead = 4096;
 // scales ahead too made the same LM head 2.2x slower: the hardware streams them alone.)
 template <int KIND>
 inline void prefetch_stream(const Weights& W, int64_t n, int64_t b0, int64_t cnt) {
-  const int64_t row = KIND == 0 ? W.K / 2 : W.K, block = KIND == 0 ? 16 : 32;
-  const uint8_t* p = W.q + n * row + b0 * block + kStreamAhead;
-  for (int64_t l = 0; l < cnt * block; l += 64) __builtin_prefetch(p + l, 0, 3);
+  const uint8_t* p = W.q + n * W.row_bytes<KIND>() + b0 * kBlockBytes<KIND> + kStreamAhead;
+  for (int64_t l = 0; l < cnt * kBlockBytes<KIND>; l += 64) __builtin_prefetch(p + l, 0, 3);
 }
 
 // one weight row, group by group: set_group() reads the group's scale (and min), block()
@@ -135,7 +174,7 @@ struct Row {
 
   Row() = default;
   Row(const Weights& W, int64_t n)
-      : q(W.q + n * (KIND == 0 ? W.K / 2 : W.K)), scale(W.scale + n * W.groups()),
+      : q(W.q + n * W.row_bytes<KIND>()), scale(W.scale + n * W.groups()),
         mins(KIND == 0 ? W.mins + n * W.groups() : nullptr) {}
 
   inline void set_group(int64_t g) {
@@ -147,6 +186,15 @@ struct Row {
     if (KIND == 0) {
       nibbles(q + b * 16, w);
       for (int j = 0; j < NV; ++j) w[j] = fma(w[j], s, mn);
+    } else if (KIND == 5) {
+      alignas(32) int8_t x[32];
+#if defined(__AVX2__)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(x), fives8(q + b * 20));
+#else
+      fives(q + b * 20, x);
+#endif
+      bytes(x, w);
+      for (int j = 0; j < NV; ++j) w[j] = w[j] * s;
     } else {
       bytes(reinterpret_cast<const int8_t*>(q) + b * 32, w);
       for (int j = 0; j < NV; ++j) w[j] = w[j] * s;
@@ -353,7 +401,8 @@ void idot(const Weights& W, int64_t n0, const QuantX& X, int64_t m0, float* out,
     const __m512i ones512 = _mm512_set1_epi16(1);
     // lanes 0-7 take block i's combined scale, lanes 8-15 block i+1's
     const __m512i pair_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (; i + 2 <= cnt; i += 2) {
+    // (kind 5 takes the 256-bit code for every block)
+    for (; KIND != 5 && i + 2 <= cnt; i += 2) {
       const int64_t b = b0 + i;
       const __m512i idx = _mm512_add_epi32(pair_idx, _mm512_set1_epi32(static_cast<int>(i)));
       for (int r = 0; r < NR; ++r) {
@@ -393,6 +442,8 @@ void idot(const Weights& W, int64_t n0, const QuantX& X, int64_t m0, float* out,
           const __m128i raw = _mm_loadu_si128(
               reinterpret_cast<const __m128i*>(W.q + (n0 + r) * (W.K / 2) + b * 16));
           w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+        } else if (KIND == 5) {
+          w = fives8(W.q + (n0 + r) * W.row_bytes<5>() + b * 20);
         } else {
           w = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(W.q + (n0 + r) * W.K + b * 32));
@@ -401,7 +452,7 @@ void idot(const Weights& W, int64_t n0, const QuantX& X, int64_t m0, float* out,
         for (int m = 0; m < MT; ++m) {
           __m256i xq = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(X.q + (m0 + m) * X.K + b * 32));
-          if (KIND == 1) xq = _mm256_sign_epi8(xq, w);
+          if (KIND != 0) xq = _mm256_sign_epi8(xq, w);
           const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones);
           acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&cs[r][m][i]),
                                       acc[r][m]);
@@ -433,7 +484,7 @@ template <int KIND, int NR>
 void idot1(const Weights& W, int64_t n0, const QuantX& X, float* out, const float* bias) {
   const int64_t G = W.groups();
   const bool per_block = W.group == 32;
-  const int64_t row = KIND == 0 ? W.K / 2 : W.K;
+  const int64_t row = W.row_bytes<KIND>();
   const uint8_t* q[NR];
   const uint16_t* sr[NR];
   const uint16_t* mr[NR];
@@ -468,7 +519,9 @@ void idot1(const Weights& W, int64_t n0, const QuantX& X, float* out, const floa
           const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
           p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
         } else {  // |x| * sign(w, x) = w * x, as idot's |w| * sign(x, w), pair sums exact
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + b * 32));
+          const __m256i w =
+              KIND == 5 ? fives8(q[r] + b * 20)
+                        : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + b * 32));
           p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x)), ones);
         }
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&cs[r][i]), acc[r]);
@@ -497,6 +550,10 @@ void idot(const Weights& W, int64_t n0, const QuantX& X, int64_t m0, float* out,
           const uint8_t* qs = W.q + n * (W.K / 2) + b * 16;
           for (int j = 0; j < 16; ++j)
             isum += (qs[j] & 15) * xq[b * 32 + j] + (qs[j] >> 4) * xq[b * 32 + j + 16];
+        } else if (KIND == 5) {
+          int8_t qs[32];
+          fives(W.q + n * W.row_bytes<5>() + b * 20, qs);
+          for (int j = 0; j < 32; ++j) isum += qs[j] * xq[b * 32 + j];
         } else {
           const int8_t* qs = reinterpret_cast<const int8_t*>(W.q) + n * W.K + b * 32;
           for (int j = 0; j < 32; ++j) isum += qs[j] * xq[b * 32 + j];
@@ -538,6 +595,8 @@ template <typename F>
 void with_kind(const Weights& W, F&& f) {
   if (W.kind == 0)
     f(std::integral_constant<int, 0>{});
+  else if (W.kind == 5)
+    f(std::integral_constant<int, 5>{});
   else
     f(std::integral_constant<int, 1>{});
 }
@@ -553,15 +612,19 @@ void split_rows(const Weights& W, int64_t N, F&& f) {
 
 Weights check_weights(int64_t kind, const at::Tensor& q, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& mins, int64_t group) {
-  TORCH_CHECK(kind == 0 || kind == 1, "kind must be 0 (4-bit) or 1 (8-bit)");
+  TORCH_CHECK(kind == 0 || kind == 1 || kind == 5,
+              "kind must be 0 (4-bit), 1 (8-bit) or 5 (5-bit)");
   TORCH_CHECK(group >= 32 && (group & (group - 1)) == 0, "group must be 32, 64, 128, ...");
   int shift = 0;
   while ((32 << shift) < group) ++shift;
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q must be a contiguous [N, bytes] tensor");
   const int64_t N = q.size(0);
-  const int64_t K = kind == 0 ? 2 * q.size(1) : q.size(1);
-  TORCH_CHECK(q.scalar_type() == (kind == 0 ? at::kByte : at::kChar),
-              kind == 0 ? "4-bit q must be uint8" : "8-bit q must be int8");
+  TORCH_CHECK(kind != 5 || (q.size(1) % 20 == 0 && group == 32),
+              "5-bit q must be [N, K/32 * 20] bytes, one scale per block of 32");
+  const int64_t K = kind == 0 ? 2 * q.size(1) : kind == 5 ? q.size(1) / 20 * 32 : q.size(1);
+  TORCH_CHECK(q.scalar_type() == (kind == 1 ? at::kChar : at::kByte),
+              kind == 1 ? "8-bit q must be int8" : kind == 0 ? "4-bit q must be uint8"
+                                                             : "5-bit q must be uint8");
   TORCH_CHECK(K % group == 0, "K (", K, ") must be a multiple of group (", group, ")");
   TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
                   scale.numel() == N * (K / group), "scale must be float16 [N, K/group]");
