@@ -117,7 +117,8 @@ inline __m256i fives8(const uint8_t* blk) {
       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-  return _mm256_or_si256(low, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xF0))));
+  const __m256i negative = _mm256_set1_epi8(static_cast<char>(0xF0));
+  return _mm256_or_si256(low, _mm256_andnot_si256(set, negative));
 }
 #endif
 
