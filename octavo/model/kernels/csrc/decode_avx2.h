@@ -11,6 +11,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "block_prefetch.h"
+#include "vec_math.h"
 
 #include <cmath>
 #include <cstdint>
@@ -67,6 +68,21 @@ inline float reduce_add8(__m256 v) {
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
   return _mm_cvtss_f32(x);
+}
+
+// One query head's online-softmax step over the scores of 8 keys in buf (32-byte aligned;
+// lanes n.. hold no key): soft cap, the running max m raised (raise_max: l and the head's
+// accumulator a rescaled), and the 8 weights exp(score - m) returned, their sum added to l.
+template <int HD>
+inline __m256 softmax8(float* buf, int n, float softcap, float& m, float& l, float* a) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < 8; ++t)
+    buf[t] = t >= n ? neg_inf : (softcap > 0.f ? softcap * std::tanh(buf[t] / softcap) : buf[t]);
+  const __m256 scores = _mm256_load_ps(buf);
+  raise_max<HD>(reduce_max8(scores), m, l, a);
+  const __m256 p = exp8(_mm256_sub_ps(scores, _mm256_set1_ps(m)));
+  l += reduce_add8(p);
+  return p;
 }
 
 // One sequence: keys at table slots lo..len-1. q: [num_heads, HD] already scaled, fp32. State
@@ -130,21 +146,8 @@ void decode_seq_avx2(const float* q, const T* k_cache, const T* v_cache, const i
               }
             }
             _mm256_store_ps(buf, sum_lanes8(part));
-            for (int t = 0; t < 8; ++t)
-              buf[t] = t >= n ? neg_inf : (softcap > 0.f ? softcap * std::tanh(buf[t] / softcap)
-                                                         : buf[t]);
-            const __m256 scores = _mm256_load_ps(buf);
-            const float block_max = reduce_max8(scores);
-            if (block_max > m[head]) {
-              float* a = acc + head * HD;
-              const float f = m[head] == neg_inf ? 0.f : std::exp(m[head] - block_max);
-              for (int i = 0; i < HD; ++i) a[i] *= f;
-              l[head] *= f;
-              m[head] = block_max;
-            }
-            const __m256 p = exp8(_mm256_sub_ps(scores, _mm256_set1_ps(m[head])));
-            l[head] += reduce_add8(p);
-            _mm256_store_ps(pw + 8 * gi, p);
+            _mm256_store_ps(pw + 8 * gi,
+                            softmax8<HD>(buf, n, softcap, m[head], l[head], acc + head * HD));
             ahead.some();
           }
           // acc[head] += p[head][t] * v_t; each lane still adds its keys in the same order

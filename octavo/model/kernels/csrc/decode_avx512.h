@@ -12,6 +12,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "block_prefetch.h"
+#include "vec_math.h"
 
 #include <cmath>
 #include <cstdint>
@@ -75,6 +76,21 @@ inline __m512 softcap16(__m512 s, int n, float cap) {
 // once for all of them, and the HN * HD / 16 accumulators are independent FMA chains (one head
 // alone is HD / 16 chains of n dependent FMAs, bound by their latency). Each head's sum runs
 // over t in order, as one head at a time would.
+// One query head's online-softmax step over 16 keys' dot products (lanes outside `valid`, n
+// and up, hold no key): soft cap, the running max m raised (raise_max: l and the head's
+// accumulator a rescaled), and the 16 weights exp(score - m) returned, their sum added to l.
+template <int HD>
+inline __m512 softmax16(__m512 dots, __mmask16 valid, int n, float softcap, float& m, float& l,
+                        float* a) {
+  if (softcap > 0.f) dots = softcap16(dots, n, softcap);
+  const __m512 scores = _mm512_mask_mov_ps(
+      _mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, dots);
+  raise_max<HD>(_mm512_reduce_max_ps(scores), m, l, a);
+  const __m512 p = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m)));
+  l += _mm512_reduce_add_ps(p);
+  return p;
+}
+
 template <typename T, int HD, int HN>
 inline void accumulate_v(const T* vh, int64_t row, int n, const float (*p)[16], float* const* a) {
   constexpr int C = HD / 16;
@@ -149,20 +165,8 @@ void decode_seq_avx512(const float* q, const T* k_cache, const T* v_cache, const
                 part[t] = _mm512_setzero_ps();
               }
             }
-            __m512 dots = sum_lanes16(part);
-            if (softcap > 0.f) dots = softcap16(dots, n, softcap);
-            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, dots);
-            const float block_max = _mm512_reduce_max_ps(scores);
-            if (block_max > m[head]) {
-              float* a = acc + head * HD;
-              const float f = m[head] == neg_inf ? 0.f : std::exp(m[head] - block_max);
-              for (int i = 0; i < HD; ++i) a[i] *= f;
-              l[head] *= f;
-              m[head] = block_max;
-            }
-            const __m512 p = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[head])));
-            l[head] += _mm512_reduce_add_ps(p);
-            _mm512_store_ps(p_buf[gi], p);
+            _mm512_store_ps(p_buf[gi], softmax16<HD>(sum_lanes16(part), valid, n, softcap,
+                                                     m[head], l[head], acc + head * HD));
             ahead.some();
           }
           // acc += p . V, the V rows read once for up to HB heads

@@ -111,20 +111,7 @@ void decode_seq_quant_avx2(const float* q, const typename KV::S* k_cache,
           for (int t = 0; t < 8; ++t)
             p8[t] = t < n ? _mm256_loadu_ps(part + (g * 8 + t) * 8) : _mm256_setzero_ps();
           _mm256_store_ps(buf, _mm256_mul_ps(sum_lanes8(p8), ksv));
-          for (int t = 0; t < 8; ++t)
-            buf[t] = t >= n ? neg_inf : (softcap > 0.f ? softcap * std::tanh(buf[t] / softcap)
-                                                       : buf[t]);
-          const __m256 scores = _mm256_load_ps(buf);
-          const float block_max = reduce_max8(scores);
-          if (block_max > m[head]) {
-            float* a = acc + head * HD;
-            const float f = m[head] == neg_inf ? 0.f : std::exp(m[head] - block_max);
-            for (int i = 0; i < HD; ++i) a[i] *= f;
-            l[head] *= f;
-            m[head] = block_max;
-          }
-          const __m256 p = exp8(_mm256_sub_ps(scores, _mm256_set1_ps(m[head])));
-          l[head] += reduce_add8(p);
+          const __m256 p = softmax8<HD>(buf, n, softcap, m[head], l[head], acc + head * HD);
           _mm256_storeu_ps(pw + g * 8, _mm256_mul_ps(p, vsv));
           ahead.some();
         }

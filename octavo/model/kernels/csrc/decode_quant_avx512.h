@@ -103,19 +103,8 @@ void decode_seq_quant_avx512(const float* q, const typename KV::S* k_cache,
           __m512 p16[16];
           for (int t = 0; t < 16; ++t)
             p16[t] = t < n ? _mm512_loadu_ps(part + (g * 16 + t) * 16) : _mm512_setzero_ps();
-          __m512 dots = _mm512_mul_ps(sum_lanes16(p16), ksv);
-          if (softcap > 0.f) dots = softcap16(dots, n, softcap);
-          const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, dots);
-          const float block_max = _mm512_reduce_max_ps(scores);
-          if (block_max > m[head]) {
-            float* a = acc + head * HD;
-            const float f = m[head] == neg_inf ? 0.f : std::exp(m[head] - block_max);
-            for (int i = 0; i < HD; ++i) a[i] *= f;
-            l[head] *= f;
-            m[head] = block_max;
-          }
-          const __m512 p = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[head])));
-          l[head] += _mm512_reduce_add_ps(p);
+          const __m512 p = softmax16<HD>(_mm512_mul_ps(sum_lanes16(p16), ksv), valid, n,
+                                         softcap, m[head], l[head], acc + head * HD);
           _mm512_storeu_ps(pw + g * 16, _mm512_mul_ps(p, vsv));
           ahead.some();
         }

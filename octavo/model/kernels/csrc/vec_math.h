@@ -7,8 +7,21 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace octavo {
+
+// The online softmax's step when a block of keys raises a query head's running max m to
+// block_max: its running sum l and its HD-wide accumulator a are rescaled by exp(m -
+// block_max) (0 while m is still -inf, before any key). No-op if the max is not raised.
+template <int HD>
+inline void raise_max(float block_max, float& m, float& l, float* a) {
+  if (!(block_max > m)) return;
+  const float f = m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m - block_max);
+  for (int i = 0; i < HD; ++i) a[i] *= f;
+  l *= f;
+  m = block_max;
+}
 
 // exp(x): Cephes' expf polynomial after x = n ln2 + r, |r| <= ln2/2 (about 1 ulp). Inputs are
 // clamped to [-87.3, 88.7]; below -87.3 the result is 0.
