@@ -94,17 +94,17 @@ def octavo_speed(model: str, threads: int, prompt: int, gen: int, repeats: int) 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, prompt: int, gen: int,
                 repeats: int) -> dict:
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(prompt),
-                          "-n", str(gen), "-t", str(threads), "-r", str(repeats), "-o", "json"],
-                         capture_output=True, text=True, check=True)
-    rows = json.loads(out.stdout)
+    def run(*tests: str) -> list[dict]:
+        out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), *tests, "-t",
+                              str(threads), "-r", str(repeats), "-o", "json"],
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    rows = run("-p", str(prompt), "-n", str(gen))
     pp = next(r for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
     tg = next(r for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)
     # tg at depth: the same generation after a `prompt`-token context (llama-bench's -d)
-    deep = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n",
-                           str(gen), "-d", str(prompt), "-t", str(threads), "-r", str(repeats),
-                           "-o", "json"], capture_output=True, text=True, check=True)
-    tg_deep = next(r for r in json.loads(deep.stdout)
+    tg_deep = next(r for r in run("-p", "0", "-n", str(gen), "-d", str(prompt))
                    if r["n_gen"] == gen and r.get("n_depth") == prompt)
     return {"pp_tok_s": pp["avg_ts"], "tg_tok_s": tg["avg_ts"],
             f"tg_d{prompt}_tok_s": tg_deep["avg_ts"],
