@@ -8,6 +8,7 @@ an independent reference) on random valid super-blocks:
   d_b / 2 = max|x in its 256| / 254, so |err| <= sum_b (d_b / 2) sum_{j in b} |w_j|; and W
   times the activations as the kernel quantized them, where only fp32 rounding remains
   (bounded here by 1e-5 of sum |w_j xq_j d_b|, measured ~5e-8);
+- the prefill tiles (8 rows and more) giving each row the bits it gets alone;
 - BlockQuantLinear's paths (the kernel, the widened tiles, torch) and its row lookup; a fused
   layer whose parts are of different formats (BlockConcat);
 - a tiny model whose linears are K-quant blocks: the same greedy tokens batched and alone,
@@ -136,6 +137,30 @@ def test_kernel_against_gguf_dequantized_matmul(isa, kind):
         assert got.dtype == torch.bfloat16
         want = ops.kquant_linear(xb.float(), kind, q, bias)
         assert torch.equal(got, want.bfloat16())
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=IDS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_tiles_give_each_rows_bits(isa, kind):
+    """Batches of 8 rows and more run through the prefill tiles (kquant_tile.h: 8 activation
+    rows interleaved per super-block, the weights in L2-sized chunks); each row's result must be
+    the bits that row gives alone (the decode path), the rows after the last full tile included,
+    and rows of zeros, of one huge value and of tiny values. N = 300 crosses a weight chunk."""
+    ops = ops_for(isa)
+    rng = np.random.default_rng(20 + kind)
+    gen = torch.Generator().manual_seed(20 + kind)
+    n, k, m = 300, 1280, 27
+    raw = random_blocks(kind, n, k, rng)
+    q = kquant.repack(kind, torch.from_numpy(raw))
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    x[3] = 0.0
+    x[9, 17] = 1e4
+    x[16:24] *= 1e-3
+    alone = torch.cat([ops.kquant_linear(x[i:i + 1], kind, q, bias) for i in range(m)])
+    for rows in (8, 9, 16, m):
+        assert torch.equal(ops.kquant_linear(x[:rows], kind, q, bias), alone[:rows]), rows
+    check_against_references(alone, x, gguf_dequantize(kind, raw), bias)
 
 
 @pytest.mark.parametrize("isa", ISAS)

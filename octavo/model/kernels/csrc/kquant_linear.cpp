@@ -13,6 +13,10 @@
 //     scales (one per 16 weights), d fp16; w = d * scale_s * (q - 32).
 // Paths (chosen at run time): in the AVX-512 build, AVX512-VNNI where the CPU has avx512_vnni;
 // AVX2 (vpmaddubsw + vpmaddwd; also the AVX-512 build's path without VNNI); portable C++.
+// Batch sizes: up to 7 rows (decode), each weight row against up to 8 activation rows
+// (kquant_simd.h's row_dot); from 8 rows on (prefill), whole groups of 8 rows go through
+// kquant_tile.h's tiles, whose rows are interleaved per super-block, with the weights taken in
+// L2-sized chunks, and give each row the same bits (the rows left over take row_dot).
 // kquant_dequantize widens rows to fp32 exactly as gguf-py does (the products are exact in fp32
 // and each weight rounds once, so the operation order cannot change a bit).
 #include <ATen/Parallel.h>
@@ -56,6 +60,17 @@ struct Q8K {
   const int8_t* q;       // [M, K]
   const float* d;        // [M, nb]
   const int16_t* bsums;  // [M, K / 16]: sums of every 16 q
+};
+
+// Full groups of 8 activation rows interleaved per super-block for kquant_tile.h: values
+// [G][nb][8][256], dx [G][nb][8], and the sums the format needs ([G][nb][8][8] sums of 32 for
+// Q4_K / Q5_K, [G][nb][8][16] sums of 16 for Q6_K), copied from Q8K (the sums of 32 are the
+// int16 pairwise sums row_dot takes with vphaddw)
+struct Q8KTile {
+  int64_t nb;
+  const int8_t* q;
+  const float* d;
+  const int16_t* sums;
 };
 
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
@@ -176,6 +191,7 @@ void rows_dot_portable(const uint8_t* row, const Q8K& X, int64_t m0, int64_t m1,
 #define KQ_VNNI 0
 namespace {
 #include "kquant_simd.h"
+#include "kquant_tile.h"
 }
 #undef KQ_NS
 #undef KQ_VNNI
@@ -188,6 +204,7 @@ namespace {
 #define KQ_VNNI 1
 namespace {
 #include "kquant_simd.h"
+#include "kquant_tile.h"
 }
 #undef KQ_NS
 #undef KQ_VNNI
@@ -210,64 +227,82 @@ Path kernel_path() {
 #endif
 }
 
-// activation rows a thread takes at once: their int8 rows stay in L2 while every weight row of
-// the thread's range passes them (only prefill-sized batches have more)
+// activation rows a thread takes at once where they are not grouped in tiles: their int8 rows
+// stay in L2 while every weight row of the thread's range passes them
 int64_t rows_per_pass(int64_t K) { return std::max<int64_t>(4, (192 * 1024 / K) / 4 * 4); }
+// weight rows a thread takes at once (their bytes stay in L2) while each tile of 8 activation
+// rows, in L1 at the models' K, passes them
+constexpr int64_t kWeightChunk = 192 * 1024;
 
-template <int KIND, typename Dot>
-void run_rows(const uint8_t* q, int64_t row_bytes, const Q8K& X, int64_t M, float* out,
-              int64_t N, int64_t n0, int64_t n1, const float* bias, Dot&& dot) {
+// the first `groups` groups of 8 rows through tile(row, g, out, bias), the rest through
+// dot(row, m0, m1, out, bias)
+template <typename Dot, typename Tile>
+void run_rows(const uint8_t* q, int64_t row_bytes, const Q8K& X, int64_t M, int64_t groups,
+              float* out, int64_t N, int64_t n0, int64_t n1, const float* bias, Dot&& dot,
+              Tile&& tile) {
   const int64_t pass = rows_per_pass(X.K);
-  for (int64_t ms = 0; ms < M; ms += pass) {
-    const int64_t me = std::min(M, ms + pass);
-    for (int64_t n = n0; n < n1; ++n) dot(q + n * row_bytes, ms, me, out + n, bias ? bias[n] : 0.f);
+  if (groups == 0) {  // decode-sized batches
+    for (int64_t ms = 0; ms < M; ms += pass) {
+      const int64_t me = std::min(M, ms + pass);
+      for (int64_t n = n0; n < n1; ++n) dot(q + n * row_bytes, ms, me, out + n, bias ? bias[n] : 0.f);
+    }
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(16, kWeightChunk / row_bytes);
+  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+    const int64_t c1 = std::min(n1, c0 + chunk);
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t n = c0; n < c1; ++n)
+        tile(q + n * row_bytes, g, out + 8 * g * N + n, bias ? bias[n] : 0.f);
+    for (int64_t ms = 8 * groups; ms < M; ms += pass) {
+      const int64_t me = std::min(M, ms + pass);
+      for (int64_t n = c0; n < c1; ++n) dot(q + n * row_bytes, ms, me, out + n, bias ? bias[n] : 0.f);
+    }
   }
 }
 
+// rows m0..m1-1 of one weight row through row_dot<KIND, 8 / 4 / 3 / 2 / 1>
+#define KQ_ROWS(NS)                                                                          \
+  [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {                      \
+    int64_t m = ms;                                                                          \
+    for (; m + 8 <= me; m += 8) NS::row_dot<KIND, 8>(row, X, m, o + m * N, N, bn);            \
+    for (; m + 4 <= me; m += 4) NS::row_dot<KIND, 4>(row, X, m, o + m * N, N, bn);            \
+    switch (me - m) {                                                                        \
+      case 3: NS::row_dot<KIND, 3>(row, X, m, o + m * N, N, bn); break;                      \
+      case 2: NS::row_dot<KIND, 2>(row, X, m, o + m * N, N, bn); break;                      \
+      case 1: NS::row_dot<KIND, 1>(row, X, m, o + m * N, N, bn); break;                      \
+      default: break;                                                                        \
+    }                                                                                        \
+  }
+#define KQ_TILE(NS) \
+  [&](const uint8_t* row, int64_t g, float* o, float bn) { NS::tile_dot<KIND>(row, *T, g, o, N, bn); }
+
 template <int KIND>
-void linear_rows(Path path, const uint8_t* q, int64_t row_bytes, const Q8K& X, int64_t M,
-                 float* out, int64_t N, int64_t n0, int64_t n1, const float* bias) {
+void linear_rows(Path path, const uint8_t* q, int64_t row_bytes, const Q8K& X, const Q8KTile* T,
+                 int64_t M, float* out, int64_t N, int64_t n0, int64_t n1, const float* bias) {
+  const int64_t groups = T ? M / 8 : 0;
   switch (path) {
 #if defined(__AVX512F__)
     case Path::kVnni:
-      run_rows<KIND>(q, row_bytes, X, M, out, N, n0, n1, bias,
-                     [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
-                       int64_t m = ms;
-                       for (; m + 8 <= me; m += 8) kq_vnni::row_dot<KIND, 8>(row, X, m, o + m * N, N, bn);
-                       for (; m + 4 <= me; m += 4) kq_vnni::row_dot<KIND, 4>(row, X, m, o + m * N, N, bn);
-                       switch (me - m) {
-                         case 3: kq_vnni::row_dot<KIND, 3>(row, X, m, o + m * N, N, bn); break;
-                         case 2: kq_vnni::row_dot<KIND, 2>(row, X, m, o + m * N, N, bn); break;
-                         case 1: kq_vnni::row_dot<KIND, 1>(row, X, m, o + m * N, N, bn); break;
-                         default: break;
-                       }
-                     });
+      run_rows(q, row_bytes, X, M, groups, out, N, n0, n1, bias, KQ_ROWS(kq_vnni), KQ_TILE(kq_vnni));
       return;
 #endif
 #if defined(__AVX2__)
     case Path::kAvx2:
-      run_rows<KIND>(q, row_bytes, X, M, out, N, n0, n1, bias,
-                     [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
-                       int64_t m = ms;
-                       for (; m + 8 <= me; m += 8) kq_avx2::row_dot<KIND, 8>(row, X, m, o + m * N, N, bn);
-                       for (; m + 4 <= me; m += 4) kq_avx2::row_dot<KIND, 4>(row, X, m, o + m * N, N, bn);
-                       switch (me - m) {
-                         case 3: kq_avx2::row_dot<KIND, 3>(row, X, m, o + m * N, N, bn); break;
-                         case 2: kq_avx2::row_dot<KIND, 2>(row, X, m, o + m * N, N, bn); break;
-                         case 1: kq_avx2::row_dot<KIND, 1>(row, X, m, o + m * N, N, bn); break;
-                         default: break;
-                       }
-                     });
+      run_rows(q, row_bytes, X, M, groups, out, N, n0, n1, bias, KQ_ROWS(kq_avx2), KQ_TILE(kq_avx2));
       return;
 #endif
     default:
-      run_rows<KIND>(q, row_bytes, X, M, out, N, n0, n1, bias,
-                     [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
-                       for (int64_t m = ms; m < me; m += 16)
-                         rows_dot_portable<KIND>(row, X, m, std::min(me, m + 16), o, N, bn);
-                     });
+      run_rows(q, row_bytes, X, M, 0, out, N, n0, n1, bias,
+               [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
+                 for (int64_t m = ms; m < me; m += 16)
+                   rows_dot_portable<KIND>(row, X, m, std::min(me, m + 16), o, N, bn);
+               },
+               [](const uint8_t*, int64_t, float*, float) {});
   }
 }
+#undef KQ_ROWS
+#undef KQ_TILE
 
 // f(kind) with the kind as a compile-time constant
 template <typename F>
@@ -335,9 +370,35 @@ at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
   float* op = out.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const Path path = kernel_path();
+  at::Tensor tq, td, ts;
+  Q8KTile tile{};
+  const int64_t groups = path == Path::kPortable ? 0 : M / 8;
+  if (groups > 0) {
+    const int64_t nb = X.nb, per = kind == kQ6K ? 16 : 8;
+    tq = at::empty({groups * nb * 8 * 256}, xq[0].options());
+    td = at::empty({groups * nb * 8}, xq[1].options());
+    ts = at::empty({groups * nb * 8 * per}, xq[2].options());
+    int8_t* tqp = tq.data_ptr<int8_t>();
+    float* tdp = td.data_ptr<float>();
+    int16_t* tsp = ts.data_ptr<int16_t>();
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t b = 0; b < nb; ++b)
+          for (int64_t m = 0; m < 8; ++m) {
+            const int64_t r = 8 * g + m, at = (g * nb + b) * 8 + m;
+            std::memcpy(tqp + at * 256, X.q + r * K + b * 256, 256);
+            tdp[at] = X.d[r * nb + b];
+            const int16_t* bs = X.bsums + r * (K / 16) + b * 16;
+            for (int64_t i = 0; i < per; ++i)
+              tsp[at * per + i] = per == 16 ? bs[i] : static_cast<int16_t>(bs[2 * i] + bs[2 * i + 1]);
+          }
+    });
+    tile = Q8KTile{nb, tqp, tdp, tsp};
+  }
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     with_kind(kind, [&](auto k) {
-      linear_rows<decltype(k)::value>(path, qp, row_bytes, X, M, op, N, n0, n1, bp);
+      linear_rows<decltype(k)::value>(path, qp, row_bytes, X, groups > 0 ? &tile : nullptr, M,
+                                      op, N, n0, n1, bp);
     });
   });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());

@@ -67,11 +67,33 @@ static inline float hsum4(__m128 s) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+// Q6_K: group k (0..3) of a half super-block's 128 codes (0..63), from its 64 bytes of low
+// nibbles (b1: groups 0 and 2, b2: 1 and 3) and 32 bytes of high bit pairs (bh: bits 2k, 2k+1)
+static inline __m256i q6_codes(__m256i b1, __m256i b2, __m256i bh, int k) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  const __m256i lo = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(k & 1 ? b2 : b1, 4) : (k & 1 ? b2 : b1), m4);
+  const __m256i hi = _mm256_and_si256(bh, _mm256_slli_epi16(m2, 2 * k));
+  return _mm256_or_si256(lo, k < 2 ? _mm256_slli_epi16(hi, 4 - 2 * k) : _mm256_srli_epi16(hi, 2 * k - 4));
+}
+
+// Q4_K / Q5_K: sub-block s's 32 codes (Q4_K 0..15, Q5_K 0..31) from the 32 nibble bytes of the
+// pair s / 2 (low nibbles: the even sub-block), and for Q5_K the fifth bits (hbits: bit s of
+// byte l is sub-block s's element l)
+template <int KIND>
+static inline __m256i q45_codes(__m256i bits, __m256i hbits, int s) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256i q = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(bits, 4) : bits, m4);
+  if (KIND == kQ5K)
+    q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(s)),
+                                                              _mm256_set1_epi8(1)),
+                                             4));
+  return q;
+}
+
 // One weight row (its super-blocks at `row`) against activation rows m0..m0+MT-1: out[m * ldo]
 template <int KIND, int MT>
 static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, int64_t ldo,
                     float bias) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 acc[MT];
   __m128 accm[MT];
   for (int m = 0; m < MT; ++m) {
@@ -100,7 +122,6 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
       for (int m = 0; m < MT; ++m)  // the codes' -32: 32 * sum(scale_s * sum of xq in s)
         sumi[m] = _mm256_sub_epi32(_mm256_setzero_si256(),
                                    _mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(bs[m])), 5));
-      const __m256i m2 = _mm256_set1_epi8(0x03);
       // each half's 8 scales in both 128-bit lanes (the shuffles pick within a lane)
       const __m256i halves[2] = {_mm256_permute4x64_epi64(sc16, 0x44),
                                  _mm256_permute4x64_epi64(sc16, 0xEE)};
@@ -109,14 +130,7 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
         const __m256i b1 = load32(ql + 64 * h), b2 = load32(ql + 64 * h + 32);
         const __m256i bh = load32(qh + 32 * h);
         __m256i q[4];
-        q[0] = _mm256_or_si256(_mm256_and_si256(b1, m4),
-                               _mm256_slli_epi16(_mm256_and_si256(bh, m2), 4));
-        q[1] = _mm256_or_si256(_mm256_and_si256(b2, m4),
-                               _mm256_slli_epi16(_mm256_and_si256(bh, _mm256_slli_epi16(m2, 2)), 2));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4),
-                               _mm256_and_si256(bh, _mm256_slli_epi16(m2, 4)));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4),
-                               _mm256_srli_epi16(_mm256_and_si256(bh, _mm256_slli_epi16(m2, 6)), 2));
+        for (int k = 0; k < 4; ++k) q[k] = q6_codes(b1, b2, bh, k);
         for (int k = 0; k < 4; ++k) {
           const __m256i sc = _mm256_shuffle_epi8(src, mask(kMask6[k]));
           for (int m = 0; m < MT; ++m)
@@ -144,19 +158,10 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
       const uint8_t* qs = blk + (KIND == kQ4K ? 20 : 52);
       __m256i hbits = _mm256_setzero_si256();
       if (KIND == kQ5K) hbits = load32(blk + 20);
-      const __m256i one = _mm256_set1_epi8(1);
       for (int j = 0; j < 4; ++j) {
         const __m256i bits = load32(qs + 32 * j);
-        __m256i lo = _mm256_and_si256(bits, m4);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-        if (KIND == kQ5K) {  // bit s of byte l: the fifth bit of sub-block s's element l
-          const __m256i b0 = _mm256_and_si256(
-              _mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * j)), one);
-          const __m256i b1 = _mm256_and_si256(
-              _mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * j + 1)), one);
-          lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
-          hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
-        }
+        const __m256i lo = q45_codes<KIND>(bits, hbits, 2 * j);
+        const __m256i hi = q45_codes<KIND>(bits, hbits, 2 * j + 1);
         const __m256i sl = _mm256_shuffle_epi8(src, mask(kMask4[2 * j]));
         const __m256i sh = _mm256_shuffle_epi8(src, mask(kMask4[2 * j + 1]));
         for (int m = 0; m < MT; ++m) {
