@@ -2,6 +2,11 @@
 // q and k in place, and silu(gate) * up. Each follows transformers' op order and, in bf16/fp16,
 // rounds to the model dtype after the same ops torch would, so they stand in for the torch code
 // in octavo/model/models/llama.py (which remains the fallback).
+//
+// Compiled without -ftrapping-math: GCC then vectorises silu's loop, where exp_approx's clamp
+// and select otherwise count as control flow (the FP exceptions they might raise are never
+// read; each value is computed by the same operations, so the bits do not change).
+#pragma GCC optimize("no-trapping-math")
 #include <ATen/Parallel.h>
 
 #include <cmath>
