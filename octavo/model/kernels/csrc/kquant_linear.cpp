@@ -280,7 +280,7 @@ void run_rows(const uint8_t* q, int64_t row_bytes, const Q8K& X, int64_t M, int6
 template <int KIND>
 void linear_rows(Path path, const uint8_t* q, int64_t row_bytes, const Q8K& X, const Q8KTile* T,
                  int64_t M, float* out, int64_t N, int64_t n0, int64_t n1, const float* bias) {
-  const int64_t groups = T ? M / 8 : 0;
+  [[maybe_unused]] const int64_t groups = T ? M / 8 : 0;  // the portable build has no tiles
   switch (path) {
 #if defined(__AVX512F__)
     case Path::kVnni:
