@@ -72,10 +72,6 @@ inline __m512 softcap16(__m512 s, int n, float cap) {
   return _mm512_load_ps(buf);
 }
 
-// acc[h] += sum_t p[h][t] * v_t for HN query heads sharing one KV head: each V row is loaded
-// once for all of them, and the HN * HD / 16 accumulators are independent FMA chains (one head
-// alone is HD / 16 chains of n dependent FMAs, bound by their latency). Each head's sum runs
-// over t in order, as one head at a time would.
 // One query head's online-softmax step over 16 keys' dot products (lanes outside `valid`, n
 // and up, hold no key): soft cap, the running max m raised (raise_max: l and the head's
 // accumulator a rescaled), and the 16 weights exp(score - m) returned, their sum added to l.
@@ -91,6 +87,10 @@ inline __m512 softmax16(__m512 dots, __mmask16 valid, int n, float softcap, floa
   return p;
 }
 
+// acc[h] += sum_t p[h][t] * v_t for HN query heads sharing one KV head: each V row is loaded
+// once for all of them, and the HN * HD / 16 accumulators are independent FMA chains (one head
+// alone is HD / 16 chains of n dependent FMAs, bound by their latency). Each head's sum runs
+// over t in order, as one head at a time would.
 template <typename T, int HD, int HN>
 inline void accumulate_v(const T* vh, int64_t row, int n, const float (*p)[16], float* const* a) {
   constexpr int C = HD / 16;
