@@ -24,7 +24,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,11 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from octavo.bench.common import free_port
 
 
 def cpu_flags() -> list[str]:

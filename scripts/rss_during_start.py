@@ -9,31 +9,26 @@ the settled set 3 s after /health answers.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from serve_rss import status  # this directory: /proc/<pid>/status's resident-set fields, bytes
+
+from octavo.bench.common import free_port
+
 KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
 
-def status(pid: int) -> dict[str, int]:
+def status_mib(pid: int) -> dict[str, int]:
     """KEYS in MiB."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key = line.split(":", 1)[0]
-            if key in KEYS:
-                out[key] = int(line.split()[1]) // 1024
-    return out
+    return {k: v >> 20 for k, v in status(pid).items() if k in KEYS}
 
 
 def main() -> int:
     model = sys.argv[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "octavo.cli", "serve", "--model", model, "--host", "127.0.0.1",
          "--port", str(port), "--max-model-len", "4096", "--num-kv-blocks", "256",
@@ -43,7 +38,7 @@ def main() -> int:
     ready_at = None
     try:
         while time.monotonic() - t0 < 900 and proc.poll() is None:
-            now = status(proc.pid)
+            now = status_mib(proc.pid)
             for k, v in now.items():
                 if v > peak.get(k, (0, 0.0))[0]:
                     peak[k] = (v, round(time.monotonic() - t0, 1))

@@ -14,17 +14,12 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from octavo.bench.common import free_port
 
 
 def status(pid: int) -> dict[str, int]:
