@@ -69,6 +69,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="torch / OpenMP threads for every engine (default: all cores, as a "
                    "user runs it; on a shared machine OpenMP's spinning barriers can make that "
                    "slower than 1)")
+    p.add_argument("--variant", action="append", default=[], metavar="DTYPE[:QUANTIZATION]",
+                   help="repeatable (throughput): one octavo paged engine per variant, e.g. "
+                   "auto:gguf and bfloat16:none for a GGUF model's blocks against its weights "
+                   "dequantized, timed in one run (instead of the --dtype engines)")
     p.add_argument("--peer", action="append", choices=["vllm"], default=[],
                    help="also measure this peer engine (throughput)")
     p.add_argument("--peer-python", default=None,
@@ -79,8 +83,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--peer-gguf", default=None,
                    help="the model's GGUF for llama-server (default: the embedded model's)")
     s.add_argument("--peer-hf-dir", default=None,
-                   help="the model's HF directory for vLLM (default: the one octavo loads)")
-    s.add_argument("--peer-dtype", default="bfloat16", help="vLLM's --dtype")
+                   help="the model's HF directory for vLLM (default: the one octavo loads; "
+                   "also throughput --variant's)")
+    s.add_argument("--peer-dtype", default="bfloat16",
+                   help="vLLM's --dtype (also throughput --variant's)")
     s.add_argument("--kv-budget-mib", type=int, default=None,
                    help="KV cache bytes every server gets (MiB; default 256, --quick 4)")
     s.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="SLO: TTFT p90 limit")
@@ -105,7 +111,7 @@ def options(args: argparse.Namespace, argv: list[str]) -> BenchOptions:
     return BenchOptions(quick=args.quick, out=Path(args.out), seed=args.seed,
                         repeats=args.repeats, model=args.model, dtypes=dtypes,
                         num_requests=args.num_requests, workloads=args.workload or [],
-                        peer=args.peer,
+                        peer=args.peer, variants=args.variant,
                         peer_python=args.peer_python, threads=args.threads, command=command,
                         llama_server=args.llama_server, llama_slots=args.llama_slots,
                         peer_gguf=args.peer_gguf, peer_hf_dir=args.peer_hf_dir,

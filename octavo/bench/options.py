@@ -18,6 +18,7 @@ class BenchOptions:
     num_requests: int | None = None  # override a benchmark's default request count
     workloads: list[str] = field(default_factory=list)  # only these workloads (empty: all)
     peer: list[str] = field(default_factory=list)  # "vllm"
+    variants: list[str] = field(default_factory=list)  # throughput: DTYPE[:QUANTIZATION] each
     peer_python: str | None = None
     # serve-peers: the peers' binaries and models, the shared KV budget, the SLO, the rates
     llama_server: str | None = None  # path of a llama-server binary

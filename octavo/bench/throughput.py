@@ -181,6 +181,10 @@ def block_size_sweep(opts: BenchOptions, wl: workloads.Workload, repeats: int) -
 
 
 def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
+    if opts.variants:  # one model in several weight formats (throughput_variants.py)
+        from octavo.bench.throughput_variants import run_variants
+
+        return run_variants(opts)
     t0 = time.perf_counter()
     wls = bench_workloads(opts)
     repeats = opts.reps(1, 3)
@@ -258,6 +262,11 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
 
 
 def plot(results: dict, fig: Figure) -> None:
+    if "variants" in results:
+        from octavo.bench.throughput_variants import plot as plot_variants
+
+        plot_variants(results, fig)
+        return
     rows = results["engines"]
     groups = list(dict.fromkeys((r["workload"], r["dtype"]) for r in rows))
     engines = list(dict.fromkeys(r["engine"] for r in rows))
