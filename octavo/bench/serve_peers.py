@@ -88,31 +88,38 @@ def traffics(opts: BenchOptions, vocab: int, max_model_len: int,
     return out
 
 
-def _warm(url: str, vocab: int, loads: list[traffic.Traffic]) -> None:
-    """Two short requests, so first-call costs (thread pools, graph building) are not timed;
-    then each workload's shared system prompt once (one output token), as a server in service
-    has it cached already: the timed runs measure the steady state, not the first request's
-    cold 1,000 tokens (a 1.5B model takes many seconds for those on 2 cores)."""
+def _warm(url: str, vocab: int) -> None:
+    """Two short requests, so first-call costs (thread pools, graph building) are not timed."""
     t = traffic.chat(2, system_len=16, mean_in=8, mean_out=4, max_out=4, max_model_len=64,
                      vocab=vocab, seed=12345)
     run_traffic(url, peer_servers.SERVED_NAME, t, math.inf, timeout_s=300)
-    for load in loads:
-        n = load.params.get("system_len", 0)
-        if n and load.sessions:
-            system = load.sessions[0][0].prompt_token_ids[:n]
-            warm = traffic.Traffic("warm-system", ((traffic.Turn(system, 1),),),
-                                   load.max_model_len)
-            run_traffic(url, peer_servers.SERVED_NAME, warm, math.inf, timeout_s=900)
+
+
+def _warm_system(url: str, load: traffic.Traffic, copies: int) -> None:
+    """The workload's shared system prompt (one output token), as a server in service has it
+    cached already: the timed runs measure the steady state, not the first request's cold
+    1,000 tokens (a 1.5B model takes many seconds for those on 2 cores). `copies` requests at
+    once: a server whose prompt cache is per slot (llama-server) gets one per slot, as every
+    slot of a server in service has held the system prompt; a shared prefix cache needs one."""
+    n = load.params.get("system_len", 0)
+    if n and load.sessions:
+        system = load.sessions[0][0].prompt_token_ids[:n]
+        warm = traffic.Traffic("warm-system",
+                               tuple((traffic.Turn(system, 1),) for _ in range(copies)),
+                               load.max_model_len)
+        run_traffic(url, peer_servers.SERVED_NAME, warm, math.inf, timeout_s=900 * copies)
 
 
 def drive(name: str, server: peer_servers.Server, opts: BenchOptions,
           loads_by_rate: list[list[traffic.Traffic]], rates: list[float], slo: SLO, vocab: int,
-          idle: Callable[[], dict] | None = None) -> list[dict]:
+          idle: Callable[[], dict] | None = None, prompt_caches: int = 1) -> list[dict]:
     """Run every workload at each rate against a ready server; one row per (workload, rate).
-    loads_by_rate[i]: the workloads offered at rates[i] (fresh turns per rate)."""
+    loads_by_rate[i]: the workloads offered at rates[i] (fresh turns per rate);
+    prompt_caches: how many separate prompt caches the server keeps (_warm_system)."""
     rows: list[dict] = []
-    _warm(server.url, vocab, loads_by_rate[0])
+    _warm(server.url, vocab)
     for w in range(len(loads_by_rate[0])):
+        _warm_system(server.url, loads_by_rate[0][w], prompt_caches)
         misses = 0
         for i, rate in enumerate(rates):
             load = loads_by_rate[i][w]
@@ -244,7 +251,9 @@ def _run_peer(name: str, peer: peer_servers.Launched, opts: BenchOptions,
             skipped[name] = f"failed to start: {e}"
             return []
         rss_idle[name] = peer_servers.tree_rss_kb(peer.proc.pid) / 1024
-        return drive(name, peer, opts, loads_by_rate, rates, slo, vocab)
+        # llama-server keeps one prompt cache per slot
+        caches = opts.llama_slots if name == "llama-server" else 1
+        return drive(name, peer, opts, loads_by_rate, rates, slo, vocab, prompt_caches=caches)
     finally:
         peer.stop()
 

@@ -47,6 +47,27 @@ def test_fresh_turns_behind_the_same_system_prompt() -> None:
                 .isdisjoint(s[0].prompt_token_ids for s in b.sessions))
 
 
+def test_every_prompt_cache_is_warmed_with_the_system_prompt(monkeypatch) -> None:
+    """A server with a prompt cache per slot (llama-server) gets the system prompt once per
+    slot, all at once (each lands in its own slot); a shared prefix cache gets it once."""
+    from octavo.bench import serve_peers
+
+    sent: list[tuple[traffic.Traffic, float]] = []
+    monkeypatch.setattr(serve_peers, "run_traffic",
+                        lambda url, model, t, rate, **kw: sent.append((t, rate)))
+    chat = traffic.chat(4, system_len=40, max_model_len=512, vocab=1000, seed=1)
+    system = chat.sessions[0][0].prompt_token_ids[:40]
+    for copies in (16, 1):
+        sent.clear()
+        serve_peers._warm_system("http://x", chat, copies)
+        (warm, rate), = sent
+        assert rate == math.inf and len(warm.sessions) == copies
+        assert all(s == (traffic.Turn(system, 1),) for s in warm.sessions)
+    sent.clear()
+    serve_peers._warm_system("http://x", traffic.Traffic("plain", chat.sessions, 512), 16)
+    assert sent == []  # no shared system prompt: nothing to warm
+
+
 def test_slo_summary() -> None:
     def t(ttft: float, latency: float, n: int = 11, error: str | None = None) -> Timing:
         return Timing(0, 0, 10, n, sent=0.0, ttft=ttft, latency=latency, output_tokens=n,
