@@ -80,6 +80,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("serve-peers", "octavo serve against llama-server and vLLM's server")
     s.add_argument("--llama-server", default=None, help="path of a llama-server binary")
     s.add_argument("--llama-slots", type=int, default=16, help="llama-server's -np")
+    s.add_argument("--llama-args", default="",
+                   help="more llama-server flags, one shell-quoted string, e.g. "
+                   "--llama-args='--no-cache-idle-slots'")
     s.add_argument("--peer-gguf", default=None,
                    help="the model's GGUF for llama-server (default: the embedded model's)")
     s.add_argument("--peer-hf-dir", default=None,
@@ -114,6 +117,7 @@ def options(args: argparse.Namespace, argv: list[str]) -> BenchOptions:
                         peer=args.peer, variants=args.variant,
                         peer_python=args.peer_python, threads=args.threads, command=command,
                         llama_server=args.llama_server, llama_slots=args.llama_slots,
+                        llama_args=shlex.split(args.llama_args),
                         peer_gguf=args.peer_gguf, peer_hf_dir=args.peer_hf_dir,
                         peer_dtype=args.peer_dtype, kv_budget_mib=args.kv_budget_mib,
                         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,

@@ -23,6 +23,7 @@ class BenchOptions:
     # serve-peers: the peers' binaries and models, the shared KV budget, the SLO, the rates
     llama_server: str | None = None  # path of a llama-server binary
     llama_slots: int = 16  # llama-server's -np
+    llama_args: list[str] = field(default_factory=list)  # more llama-server flags, as given
     peer_gguf: str | None = None  # the model's GGUF for llama-server
     peer_hf_dir: str | None = None  # the model's HF directory for vLLM
     peer_dtype: str = "bfloat16"

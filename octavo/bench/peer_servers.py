@@ -129,13 +129,15 @@ def llama_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) 
 
 
 def start_llama_server(binary: str, gguf: str, *, kv_bytes: int, bytes_per_token: int,
-                       slots: int, threads: int, cpus: str | None, log: Path) -> Launched:
+                       slots: int, threads: int, cpus: str | None, log: Path,
+                       extra: list[str] | None = None) -> Launched:
+    """`extra`: more flags, after octavo's own (a later flag wins in llama-server)."""
     ctx = kv_bytes // bytes_per_token
     port = free_port()
     cmd = pinned([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                   "-c", str(ctx), "-np", str(slots), "--kv-unified", "-t", str(threads),
-                  "-tb", str(threads), "--alias", SERVED_NAME, "--metrics", "--no-webui"],
-                 cpus)
+                  "-tb", str(threads), "--alias", SERVED_NAME, "--metrics", "--no-webui",
+                  *(extra or [])], cpus)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return Launched("llama-server", cmd, env, log, port)
 

@@ -100,7 +100,10 @@ def _warm_system(url: str, load: traffic.Traffic, copies: int) -> None:
     cached already: the timed runs measure the steady state, not the first request's cold
     1,000 tokens (a 1.5B model takes many seconds for those on 2 cores). `copies` requests at
     once: a server whose prompt cache is per slot (llama-server) gets one per slot, as every
-    slot of a server in service has held the system prompt; a shared prefix cache needs one."""
+    slot of a server in service has held the system prompt; a shared prefix cache needs one.
+    (llama-server's defaults with a unified KV cache save each idle slot to its RAM prompt
+    cache and clear the slot when a task starts; that cache keeps one copy of a prompt, and a
+    restore takes it out. `--no-cache-idle-slots` leaves every slot its own copy.)"""
     n = load.params.get("system_len", 0)
     if n and load.sessions:
         system = load.sessions[0][0].prompt_token_ids[:n]
@@ -205,6 +208,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
             peer = peer_servers.start_llama_server(
                 opts.llama_server, gguf, kv_bytes=kv_bytes, bytes_per_token=bpt,
                 slots=opts.llama_slots, threads=opts.threads, cpus=opts.cpus,
+                extra=opts.llama_args,
                 log=Path(tmp) / "llama.log")
             rows += _run_peer("llama-server", peer, opts, loads_by_rate, rates, slo, vocab, skipped,
                               rss_idle)
@@ -227,6 +231,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         "rates": rates, "kv_budget_bytes": kv_bytes, "max_model_len": max_model_len,
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "quantile": slo.quantile},
         "threads": opts.threads, "cpus": opts.cpus, "llama_slots": opts.llama_slots,
+        "llama_args": opts.llama_args,
         "model": opts.model or "SmolLM2-135M-Instruct", "dtype": opts.dtypes[0],
         "engine_overrides": opts.engine_overrides, "peer_gguf": gguf,
         "peer_hf_dir": opts.peer_hf_dir, "peer_dtype": opts.peer_dtype,

@@ -123,3 +123,27 @@ def test_servers_picks_a_subset(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert res["skipped"]["llama-server"].startswith("skipped: no llama-server binary")
     with pytest.raises(ValueError, match="--servers"):
         bench_main([*argv[:-1], "sglang"])
+
+
+def test_llama_args_reach_llama_server_after_its_own_flags(tmp_path: Path) -> None:
+    """--llama-args is one shell-quoted string; its flags come last, so they win."""
+    import argparse
+    import sys
+
+    from octavo.bench import peer_servers
+    from octavo.bench.cli import add_bench_args, options
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    argv = ["serve-peers", "--llama-args=--no-cache-idle-slots --cache-ram '0'"]
+    opts = options(parser.parse_args(argv), argv)
+    assert opts.llama_args == ["--no-cache-idle-slots", "--cache-ram", "0"]
+    # a stand-in binary that exits at once: only the command line is looked at
+    peer = peer_servers.start_llama_server(
+        sys.executable, "m.gguf", kv_bytes=1 << 20, bytes_per_token=1024, slots=4, threads=1,
+        cpus=None, log=tmp_path / "llama.log", extra=[*opts.llama_args, "--version"])
+    try:
+        assert peer.cmd[-4:] == ["--no-cache-idle-slots", "--cache-ram", "0", "--version"]
+        assert peer.cmd.index("--kv-unified") < peer.cmd.index("--no-cache-idle-slots")
+    finally:
+        peer.stop()
