@@ -127,6 +127,8 @@ def options(args: argparse.Namespace, argv: list[str]) -> BenchOptions:
 
 def run_one(name: str, opts: BenchOptions, replot: bool = False) -> None:
     module = importlib.import_module(BENCHMARKS[name])
+    if name == "throughput" and opts.variants and not replot:  # several weight formats
+        module = importlib.import_module("octavo.bench.throughput_variants")
     if replot:
         from octavo.bench.common import replot as redraw
 

@@ -181,10 +181,6 @@ def block_size_sweep(opts: BenchOptions, wl: workloads.Workload, repeats: int) -
 
 
 def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
-    if opts.variants:  # one model in several weight formats (throughput_variants.py)
-        from octavo.bench.throughput_variants import run_variants
-
-        return run_variants(opts)
     t0 = time.perf_counter()
     wls = bench_workloads(opts)
     repeats = opts.reps(1, 3)
@@ -262,9 +258,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
 
 
 def plot(results: dict, fig: Figure) -> None:
-    if "variants" in results:
-        from octavo.bench.throughput_variants import plot as plot_variants
-
+    if "variants" in results:  # --variant (throughput_variants.py)
         plot_variants(results, fig)
         return
     rows = results["engines"]
@@ -298,4 +292,27 @@ def plot(results: dict, fig: Figure) -> None:
     ax.set_xlabel("block size")
     ax.set_ylabel("ms per step (median)")
     ax.set_title("per-step scheduling overhead")
+    ax.legend(fontsize=7)
+
+
+def plot_variants(results: dict, fig: Figure) -> None:
+    """One bar per engine and variant, per workload."""
+    rows = results["variants"]
+    wls = list(dict.fromkeys(r["workload"] for r in rows))
+    names = list(dict.fromkeys(f"{r['engine']}: {r['variant']}" for r in rows))
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        xs, ys = [], []
+        for i, wl in enumerate(wls):
+            hit = [r for r in rows if r["workload"] == wl and f"{r['engine']}: {r['variant']}"
+                   == name]
+            if hit:
+                xs.append(i + j * width)
+                ys.append(hit[0]["output_tok_s"])
+        bars = ax.bar(xs, ys, width, label=name)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(wls))], wls)
+    ax.set_ylabel("output tokens/s (median)")
+    ax.set_title("offline throughput by weight format")
     ax.legend(fontsize=7)

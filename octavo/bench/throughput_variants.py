@@ -19,8 +19,6 @@ import gc
 import time
 from typing import Any
 
-from matplotlib.figure import Figure
-
 from octavo.bench import workloads
 from octavo.bench.common import BenchResult, PlotFn, md_table, median
 from octavo.bench.options import BenchOptions
@@ -49,7 +47,7 @@ def variant_label(dtype: str, quant: str, effective: str, method: str) -> str:
     return f"{dtype_label(dtype, effective)}, {dtype_label(quant, method)}"
 
 
-def run_variants(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
+def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     from octavo.bench.engine_run import effective_dtype
     from octavo.bench.throughput import MAX_MODEL_LEN, OctavoEngine, bench_workloads
     from octavo.bench.waste import KV_TOKENS
@@ -130,7 +128,7 @@ def run_variants(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                       "\n".join(md), elapsed_s=time.perf_counter() - t0)
     from octavo.bench.throughput import plot
 
-    return res, plot
+    return res, plot  # throughput's plot draws these rows too
 
 
 def vllm_rows(opts: BenchOptions, wls: list[workloads.Workload], repeats: int,
@@ -155,25 +153,3 @@ def vllm_rows(opts: BenchOptions, wls: list[workloads.Workload], repeats: int,
                      "weights_bytes": 0, "times_s": times, "median_s": t,
                      "output_tok_s": wl.output_tokens / t, "req_s": len(wl) / t})
     return {"rows": rows, "model_dir": model_dir, "kv_cache_gib": gib}
-
-
-def plot(results: dict, fig: Figure) -> None:
-    rows = results["variants"]
-    wls = list(dict.fromkeys(r["workload"] for r in rows))
-    names = list(dict.fromkeys(f"{r['engine']}: {r['variant']}" for r in rows))
-    ax = fig.add_subplot(1, 1, 1)
-    width = 0.8 / len(names)
-    for j, name in enumerate(names):
-        xs, ys = [], []
-        for i, wl in enumerate(wls):
-            hit = [r for r in rows if r["workload"] == wl and f"{r['engine']}: {r['variant']}"
-                   == name]
-            if hit:
-                xs.append(i + j * width)
-                ys.append(hit[0]["output_tok_s"])
-        bars = ax.bar(xs, ys, width, label=name)
-        ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(wls))], wls)
-    ax.set_ylabel("output tokens/s (median)")
-    ax.set_title("offline throughput by weight format")
-    ax.legend(fontsize=7)
