@@ -101,7 +101,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
         r["x_vllm"] = r["output_tok_s"] / vllm[0]["output_tok_s"] if vllm else None
     md = [
         f"{opts.model or 'SmolLM2-135M-Instruct'}; octavo paged, KV budget {KV_TOKENS} tokens, "
-        f"max_model_len 512, block size 16, prefix caching off; {opts.threads} thread(s); "
+        f"max_model_len {512 if opts.model else MAX_MODEL_LEN}, block size 16, prefix caching "
+        f"off; {opts.threads} thread(s); "
         f"median of {repeats} repeats, interleaved between octavo's variants. Workloads: "
         + "; ".join(str(w.describe()) for w in wls),
         "",
