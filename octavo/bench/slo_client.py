@@ -208,6 +208,15 @@ def summarize(timings: list[Timing], duration: float, rate: float, slo: SLO) -> 
     }
 
 
-def max_sustained_rate(rows: list[dict]) -> float:
-    """The highest offered rate that was sustained (0.0 when none was)."""
-    return max((r["rate"] for r in rows if r["sustained"]), default=0.0)
+def max_sustained_rate(rows: list[dict], slo: SLO | None = None) -> float:
+    """The highest offered rate that was sustained (0.0 when none was): under the run's own
+    SLO, or, given `slo`, judged again from the rows' percentiles under that one."""
+    return max((r["rate"] for r in rows
+                if (r["sustained"] if slo is None else sustained_under(r, slo))), default=0.0)
+
+
+def sustained_under(row: dict, slo: SLO) -> bool:
+    """summarize's `sustained` for another SLO at the same quantile, from a row's numbers."""
+    q = f"p{slo.quantile:.0f}"
+    return (row["completed"] == row["requests"] and row[f"ttft_ms_{q}"] <= slo.ttft_s * 1e3
+            and row[f"tpot_ms_{q}"] <= slo.tpot_s * 1e3)

@@ -9,9 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from octavo.bench import traffic
+from octavo.bench import serve_peers, traffic
 from octavo.bench.cli import main as bench_main
-from octavo.bench.slo_client import SLO, Timing, max_sustained_rate, peak_overlap, summarize
+from octavo.bench.slo_client import (
+    SLO,
+    Timing,
+    max_sustained_rate,
+    peak_overlap,
+    summarize,
+    sustained_under,
+)
 
 
 def test_traffic_is_seeded_and_shaped() -> None:
@@ -50,8 +57,6 @@ def test_fresh_turns_behind_the_same_system_prompt() -> None:
 def test_every_prompt_cache_is_warmed_with_the_system_prompt(monkeypatch) -> None:
     """A server with a prompt cache per slot (llama-server) gets the system prompt once per
     slot, all at once (each lands in its own slot); a shared prefix cache gets it once."""
-    from octavo.bench import serve_peers
-
     sent: list[tuple[traffic.Traffic, float]] = []
     monkeypatch.setattr(serve_peers, "run_traffic",
                         lambda url, model, t, rate, **kw: sent.append((t, rate)))
@@ -88,6 +93,38 @@ def test_slo_summary() -> None:
     assert peak_overlap([(0, 2), (1, 3), (2, 4), (5, 6)]) == 2
 
 
+def test_rows_judged_again_under_another_slo() -> None:
+    """A row's p90s judge it under a stricter SLO exactly as summarize would have."""
+    def t(ttft: float, latency: float) -> Timing:
+        return Timing(0, 0, 10, 11, sent=0.0, ttft=ttft, latency=latency, output_tokens=11)
+
+    loose, strict = SLO(ttft_s=8.0, tpot_s=0.2), SLO(ttft_s=1.0, tpot_s=0.1)
+    runs = {0.1: [t(0.5, 1.5)] * 3, 0.2: [t(3.0, 4.0)] * 3, 0.3: [t(0.5, 2.5)] * 3}
+    rows = [summarize(ts, 2.0, rate, loose) for rate, ts in runs.items()]
+    for row, ts in zip(rows, runs.values(), strict=True):
+        assert sustained_under(row, strict) == summarize(ts, 2.0, row["rate"], strict)["sustained"]
+        assert sustained_under(row, loose) == row["sustained"]
+    assert max_sustained_rate(rows) == 0.3 and max_sustained_rate(rows, strict) == 0.1
+    rows[0]["completed"] = 2  # a failed request fails every SLO
+    assert max_sustained_rate(rows, strict) == 0.0
+
+
+def test_default_slo_rates_from_a_looser_run() -> None:
+    def row(server: str, rate: float, ttft_ms: float, tpot_ms: float) -> dict:
+        return {"server": server, "workload": "chat", "rate": rate, "requests": 4,
+                "completed": 4, "ttft_ms_p90": ttft_ms, "tpot_ms_p90": tpot_ms,
+                "sustained": True}
+
+    rows = [row("octavo", 0.1, 1500, 90), row("octavo", 0.2, 5000, 90),
+            row("llama-server", 0.1, 2500, 90)]
+    best = {"octavo": {"chat": 0.2}, "llama-server": {"chat": 0.1}}
+    assert serve_peers.default_slo_rates(rows, SLO(8.0, 0.2), best) == {
+        "octavo": {"chat": 0.1}, "llama-server": {"chat": 0.0}}
+    assert serve_peers.default_slo_rates(rows, SLO(), best) is None
+    # stricter in one limit: the series may have stopped before the default's rates
+    assert serve_peers.default_slo_rates(rows, SLO(8.0, 0.1), best) is None
+
+
 def test_serve_peers_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
     argv = ["serve-peers", "--quick", "--threads", "1", "--model", str(tiny_llama_dir),
             "--out", str(tmp_path), "--llama-server", str(tmp_path / "no-llama-server"),
@@ -109,6 +146,7 @@ def test_serve_peers_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -
     assert set(res["max_sustained_rate"]["octavo"]) == {"chat", "agent"}
     md = (tmp_path / "serve-peers.md").read_text()
     assert "llama-server: skipped" in md and "vllm: skipped" in md
+    assert "max_sustained_rate_default_slo" not in res  # the run's SLO is the default one
 
 
 def test_servers_picks_a_subset(tiny_llama_dir: Path, tmp_path: Path) -> None:
