@@ -19,6 +19,12 @@
 
 namespace KQ_NS {
 
+// VNNI's vpdpwssd adds into its accumulator, so a super-block's 8 scaled products form one
+// chain of dependent instructions (about 4 cycles each) where AVX2's vpaddd takes one: VNNI
+// sums the odd sub-blocks in a second chain, added to the first at the super-block's end
+// (integer sums: the same bits either way)
+constexpr int kChains = KQ_VNNI ? 2 : 1;
+
 // sumi + sum over the 32 bytes of q (unsigned codes) * x (int8), each 4-byte quad (VNNI) or
 // 2-byte pair (AVX2) times its lane's scale in `sc`
 static inline __m256i dot_scaled(__m256i sumi, __m256i q, __m256i x, __m256i sc) {
@@ -125,6 +131,8 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
       // each half's 8 scales in both 128-bit lanes (the shuffles pick within a lane)
       const __m256i halves[2] = {_mm256_permute4x64_epi64(sc16, 0x44),
                                  _mm256_permute4x64_epi64(sc16, 0xEE)};
+      __m256i odd[MT];  // a second chain of sums (see kChains)
+      for (int m = 0; m < MT; ++m) odd[m] = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
         const __m256i src = halves[h];
         const __m256i b1 = load32(ql + 64 * h), b2 = load32(ql + 64 * h + 32);
@@ -133,12 +141,15 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
         for (int k = 0; k < 4; ++k) q[k] = q6_codes(b1, b2, bh, k);
         for (int k = 0; k < 4; ++k) {
           const __m256i sc = _mm256_shuffle_epi8(src, mask(kMask6[k]));
-          for (int m = 0; m < MT; ++m)
-            sumi[m] = dot_scaled(sumi[m], q[k], load32(xq[m] + 128 * h + 32 * k), sc);
+          for (int m = 0; m < MT; ++m) {
+            __m256i& s = kChains == 2 && (k & 1) ? odd[m] : sumi[m];
+            s = dot_scaled(s, q[k], load32(xq[m] + 128 * h + 32 * k), sc);
+          }
         }
       }
       for (int m = 0; m < MT; ++m)
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[m]), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[m]),
+                                 _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[m], odd[m])), acc[m]);
     } else {
       const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
       // the 8 scales and 8 mins, a byte each (unpacked at load)
@@ -158,6 +169,8 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
       const uint8_t* qs = blk + (KIND == kQ4K ? 20 : 52);
       __m256i hbits = _mm256_setzero_si256();
       if (KIND == kQ5K) hbits = load32(blk + 20);
+      __m256i odd[MT];  // a second chain of sums (see kChains)
+      for (int m = 0; m < MT; ++m) odd[m] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256i bits = load32(qs + 32 * j);
         const __m256i lo = q45_codes<KIND>(bits, hbits, 2 * j);
@@ -166,11 +179,13 @@ static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, in
         const __m256i sh = _mm256_shuffle_epi8(src, mask(kMask4[2 * j + 1]));
         for (int m = 0; m < MT; ++m) {
           sumi[m] = dot_scaled(sumi[m], lo, load32(xq[m] + 64 * j), sl);
-          sumi[m] = dot_scaled(sumi[m], hi, load32(xq[m] + 64 * j + 32), sh);
+          __m256i& s = kChains == 2 ? odd[m] : sumi[m];
+          s = dot_scaled(s, hi, load32(xq[m] + 64 * j + 32), sh);
         }
       }
       for (int m = 0; m < MT; ++m)
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[m]), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[m]),
+                                 _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[m], odd[m])), acc[m]);
     }
   }
   for (int m = 0; m < MT; ++m) out[m * ldo] = hsum8(acc[m]) + hsum4(accm[m]) + bias;
