@@ -202,6 +202,7 @@ def main() -> int:
     result["load_avg_after"] = os.getloadavg()
     if args.out:
         name = Path(str(args.model)).name.removesuffix(".gguf")
+        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"gguf-vs-llamacpp-{name}.json").write_text(
             json.dumps(result, indent=2, default=str))
     return 0

@@ -96,99 +96,134 @@ static inline __m256i q45_codes(__m256i bits, __m256i hbits, int s) {
   return q;
 }
 
-// One weight row (its super-blocks at `row`) against activation rows m0..m0+MT-1: out[m * ldo]
-template <int KIND, int MT>
-static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, int64_t ldo,
-                    float bias) {
-  __m256 acc[MT];
-  __m128 accm[MT];
-  for (int m = 0; m < MT; ++m) {
-    acc[m] = _mm256_setzero_ps();
-    accm[m] = _mm_setzero_ps();
-  }
+// NR weight rows (row0, row0 + row_bytes, ...) against activation rows m0..m0+MT-1:
+// out[m * ldo + r]. Each (weight row, activation row) pair takes exactly the arithmetic of NR = 1
+// (so the same bits); NR > 1 shares the activations' loads and sums between weight rows and
+// gives the core independent work (a decode's one activation row takes NR = 2).
+template <int KIND, int NR, int MT>
+static void rows_dot(const uint8_t* row0, int64_t row_bytes, const Q8K& X, int64_t m0,
+                     float* out, int64_t ldo, const float* bias) {
+  __m256 acc[NR][MT];
+  __m128 accm[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) {
+      acc[r][m] = _mm256_setzero_ps();
+      accm[r][m] = _mm_setzero_ps();
+    }
   for (int64_t b = 0; b < X.nb; ++b) {
-    const uint8_t* blk = row + b * kBytes[KIND];
-    if (MT == 1)  // a decode's one row: ask for the bytes kStreamAhead past this super-block
-      for (int64_t l = 0; l < kBytes[KIND]; l += 64) __builtin_prefetch(blk + kStreamAhead + l, 0, 3);
+    const uint8_t* blk[NR];
+    for (int r = 0; r < NR; ++r) {
+      blk[r] = row0 + r * row_bytes + b * kBytes[KIND];
+      // a decode's one row streams the weights: one weight row asks for the bytes kStreamAhead
+      // past this super-block; NR rows read in step are NR short streams, which the hardware's
+      // prefetcher does not follow (Q4_K from memory, 4 rows: 6.4 GB/s, 11.4 with the one-row
+      // distance), so each asks for the same super-block of its row in the next NR rows
+      if (MT == 1 && NR == 1)
+        for (int64_t l = 0; l < kBytes[KIND]; l += 64)
+          __builtin_prefetch(blk[r] + kStreamAhead + l, 0, 3);
+    }
+    if (MT == 1 && NR > 1) {
+      const uint8_t* next = row0 + NR * row_bytes + b * NR * kBytes[KIND];
+      for (int64_t l = 0; l < NR * kBytes[KIND]; l += 64) __builtin_prefetch(next + l, 0, 3);
+    }
     const int8_t* xq[MT];
     const int16_t* bs[MT];
     float dx[MT];
-    __m256i sumi[MT];
     for (int m = 0; m < MT; ++m) {
       xq[m] = X.q + (m0 + m) * X.K + b * 256;
       bs[m] = X.bsums + (m0 + m) * (X.K / 16) + b * 16;
       dx[m] = X.d[(m0 + m) * X.nb + b];
     }
+    __m256i sumi[NR][MT], odd[NR][MT];  // odd: a second chain of sums (see kChains)
+    float d[NR];
     if (KIND == kQ6K) {
-      const uint8_t* ql = blk;
-      const uint8_t* qh = blk + 128;
-      const float d = half_to_float(blk + 208);
-      const __m256i sc16 =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-      for (int m = 0; m < MT; ++m)  // the codes' -32: 32 * sum(scale_s * sum of xq in s)
-        sumi[m] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                   _mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(bs[m])), 5));
-      // each half's 8 scales in both 128-bit lanes (the shuffles pick within a lane)
-      const __m256i halves[2] = {_mm256_permute4x64_epi64(sc16, 0x44),
-                                 _mm256_permute4x64_epi64(sc16, 0xEE)};
-      __m256i odd[MT];  // a second chain of sums (see kChains)
-      for (int m = 0; m < MT; ++m) odd[m] = _mm256_setzero_si256();
-      for (int h = 0; h < 2; ++h) {
-        const __m256i src = halves[h];
-        const __m256i b1 = load32(ql + 64 * h), b2 = load32(ql + 64 * h + 32);
-        const __m256i bh = load32(qh + 32 * h);
-        __m256i q[4];
-        for (int k = 0; k < 4; ++k) q[k] = q6_codes(b1, b2, bh, k);
-        for (int k = 0; k < 4; ++k) {
-          const __m256i sc = _mm256_shuffle_epi8(src, mask(kMask6[k]));
-          for (int m = 0; m < MT; ++m) {
-            __m256i& s = kChains == 2 && (k & 1) ? odd[m] : sumi[m];
-            s = dot_scaled(s, q[k], load32(xq[m] + 128 * h + 32 * k), sc);
-          }
+      __m256i halves[NR][2];
+      for (int r = 0; r < NR; ++r) {
+        d[r] = half_to_float(blk[r] + 208);
+        const __m256i sc16 =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + 192)));
+        for (int m = 0; m < MT; ++m) {  // the codes' -32: 32 * sum(scale_s * sum of xq in s)
+          sumi[r][m] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                        _mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(bs[m])), 5));
+          odd[r][m] = _mm256_setzero_si256();
         }
+        // each half's 8 scales in both 128-bit lanes (the shuffles pick within a lane)
+        halves[r][0] = _mm256_permute4x64_epi64(sc16, 0x44);
+        halves[r][1] = _mm256_permute4x64_epi64(sc16, 0xEE);
       }
-      for (int m = 0; m < MT; ++m)
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[m]),
-                                 _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[m], odd[m])), acc[m]);
+      for (int h = 0; h < 2; ++h) {
+        __m256i q[NR][4];
+        for (int r = 0; r < NR; ++r) {
+          const uint8_t* ql = blk[r];
+          const uint8_t* qh = blk[r] + 128;
+          const __m256i b1 = load32(ql + 64 * h), b2 = load32(ql + 64 * h + 32);
+          const __m256i bh = load32(qh + 32 * h);
+          for (int k = 0; k < 4; ++k) q[r][k] = q6_codes(b1, b2, bh, k);
+        }
+        for (int k = 0; k < 4; ++k)
+          for (int r = 0; r < NR; ++r) {
+            const __m256i sc = _mm256_shuffle_epi8(halves[r][h], mask(kMask6[k]));
+            for (int m = 0; m < MT; ++m) {
+              __m256i& s = kChains == 2 && (k & 1) ? odd[r][m] : sumi[r][m];
+              s = dot_scaled(s, q[r][k], load32(xq[m] + 128 * h + 32 * k), sc);
+            }
+          }
+      }
     } else {
-      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-      // the 8 scales and 8 mins, a byte each (unpacked at load)
-      const __m128i sc8 =
-          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4)));
-      const __m128i mn8 =
-          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 12)));
-      const __m256i src = _mm256_set_m128i(sc8, sc8);
+      __m128i s32[MT];
       for (int m = 0; m < MT; ++m) {
         const __m256i s16 = load32(bs[m]);  // sums of 16 -> sums of 32 (sub-blocks 0..7)
-        const __m128i s32 =
-            _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
-        accm[m] = _mm_fmadd_ps(_mm_set1_ps(-dmin * dx[m]),
-                               _mm_cvtepi32_ps(_mm_madd_epi16(mn8, s32)), accm[m]);
-        sumi[m] = _mm256_setzero_si256();
+        s32[m] = _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
       }
-      const uint8_t* qs = blk + (KIND == kQ4K ? 20 : 52);
-      __m256i hbits = _mm256_setzero_si256();
-      if (KIND == kQ5K) hbits = load32(blk + 20);
-      __m256i odd[MT];  // a second chain of sums (see kChains)
-      for (int m = 0; m < MT; ++m) odd[m] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const __m256i bits = load32(qs + 32 * j);
-        const __m256i lo = q45_codes<KIND>(bits, hbits, 2 * j);
-        const __m256i hi = q45_codes<KIND>(bits, hbits, 2 * j + 1);
-        const __m256i sl = _mm256_shuffle_epi8(src, mask(kMask4[2 * j]));
-        const __m256i sh = _mm256_shuffle_epi8(src, mask(kMask4[2 * j + 1]));
+      __m256i src[NR], hbits[NR];
+      const uint8_t* qs[NR];
+      for (int r = 0; r < NR; ++r) {
+        d[r] = half_to_float(blk[r]);
+        const float dmin = half_to_float(blk[r] + 2);
+        // the 8 scales and 8 mins, a byte each (unpacked at load)
+        const __m128i sc8 =
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk[r] + 4)));
+        const __m128i mn8 =
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk[r] + 12)));
+        src[r] = _mm256_set_m128i(sc8, sc8);
         for (int m = 0; m < MT; ++m) {
-          sumi[m] = dot_scaled(sumi[m], lo, load32(xq[m] + 64 * j), sl);
-          __m256i& s = kChains == 2 ? odd[m] : sumi[m];
-          s = dot_scaled(s, hi, load32(xq[m] + 64 * j + 32), sh);
+          accm[r][m] = _mm_fmadd_ps(_mm_set1_ps(-dmin * dx[m]),
+                                    _mm_cvtepi32_ps(_mm_madd_epi16(mn8, s32[m])), accm[r][m]);
+          sumi[r][m] = odd[r][m] = _mm256_setzero_si256();
         }
+        qs[r] = blk[r] + (KIND == kQ4K ? 20 : 52);
+        hbits[r] = KIND == kQ5K ? load32(blk[r] + 20) : _mm256_setzero_si256();
       }
-      for (int m = 0; m < MT; ++m)
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[m]),
-                                 _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[m], odd[m])), acc[m]);
+      for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < NR; ++r) {
+          const __m256i bits = load32(qs[r] + 32 * j);
+          const __m256i lo = q45_codes<KIND>(bits, hbits[r], 2 * j);
+          const __m256i hi = q45_codes<KIND>(bits, hbits[r], 2 * j + 1);
+          const __m256i sl = _mm256_shuffle_epi8(src[r], mask(kMask4[2 * j]));
+          const __m256i sh = _mm256_shuffle_epi8(src[r], mask(kMask4[2 * j + 1]));
+          for (int m = 0; m < MT; ++m) {
+            sumi[r][m] = dot_scaled(sumi[r][m], lo, load32(xq[m] + 64 * j), sl);
+            __m256i& s = kChains == 2 ? odd[r][m] : sumi[r][m];
+            s = dot_scaled(s, hi, load32(xq[m] + 64 * j + 32), sh);
+          }
+        }
     }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < MT; ++m)
+        acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * dx[m]),
+                                    _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[r][m], odd[r][m])),
+                                    acc[r][m]);
   }
-  for (int m = 0; m < MT; ++m) out[m * ldo] = hsum8(acc[m]) + hsum4(accm[m]) + bias;
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m)
+      out[m * ldo + r] = hsum8(acc[r][m]) + hsum4(accm[r][m]) + (bias ? bias[r] : 0.f);
+}
+
+// One weight row (its super-blocks at `row`) against activation rows m0..m0+MT-1: out[m * ldo]
+template <int KIND, int MT>
+static void row_dot(const uint8_t* row, const Q8K& X, int64_t m0, float* out, int64_t ldo,
+                    float bias) {
+  rows_dot<KIND, 1, MT>(row, 0, X, m0, out, ldo, &bias);
 }
 
 }  // namespace KQ_NS
