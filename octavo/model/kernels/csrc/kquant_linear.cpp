@@ -309,7 +309,7 @@ void linear_rows(Path path, const uint8_t* q, int64_t row_bytes, const Q8K& X, c
 #if defined(__AVX2__)
     case Path::kAvx2:
       run_rows<1>(q, row_bytes, X, M, groups, out, N, n0, n1, bias, KQ_ROWS(kq_avx2), KQ_TILE(kq_avx2),
-               nullptr);  // measured on AVX2 machines as one row at a time
+               nullptr);  // one row at a time: several were not measured on an AVX2 CPU
       return;
 #endif
     default:
