@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
            "quant_ops.cpp", "block_linear.cpp", "decode_stack.cpp", "int8_gemv.cpp",
-           "packed_gemv.cpp", "kquant_linear.cpp", "recurrent_step.cpp", "kv_write.cpp")
+           "packed_gemv.cpp", "kquant_linear.cpp", "kquant_repack.cpp", "recurrent_step.cpp",
+           "kv_write.cpp")
 CHOICES = ("auto", "torch", "cpu", "triton")
 
 

@@ -211,10 +211,45 @@ def test_kernel_rejects_bad_input():
 
 # ---- the formats and BlockQuantLinear --------------------------------------------------------
 
+def file_code(kind: int, block: np.ndarray, w: int) -> int:
+    """Weight w's code (0..63) in one super-block as the GGUF file packs it (llama.cpp's
+    dequantize_row_q*_K), read byte by byte: the reference for the lane order."""
+    if kind == kquant.Q6_K:
+        h, r = divmod(w, 128)
+        g, e = divmod(r, 32)  # group g of the half: low nibbles of ql, bits 2g of qh
+        lo = block[64 * h + 32 * (g % 2) + e] >> (4 * (g // 2)) & 15
+        return int(lo | ((block[128 + 32 * h + e] >> (2 * g) & 3) << 4))
+    s, e = divmod(w, 32)
+    nib = 16 if kind == kquant.Q4_K else 48
+    q = block[nib + 32 * (s // 2) + e] >> (4 * (s % 2)) & 15
+    if kind == kquant.Q5_K:
+        q |= (block[16 + e] >> s & 1) << 4
+    return int(q)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=IDS)
+def test_compiled_repack_is_torchs(kind):
+    """The compiled repack (kquant_repack.cpp, what the loader runs) gives torch's bytes, on
+    random blocks and on blocks of all-ones bits, for every ISA build; and refuses partial
+    super-blocks."""
+    raw = torch.from_numpy(random_blocks(kind, 9, 768, np.random.default_rng(30 + kind)))
+    full = torch.full_like(raw, 255)
+    want = kquant.repack(kind, raw, compiled=False, chunk=5)
+    want_full = kquant.repack(kind, full, compiled=False)
+    for isa in ISAS:
+        ops = ops_for(isa)
+        assert torch.equal(ops.kquant_repack(kind, raw), want), isa
+        assert torch.equal(ops.kquant_repack(kind, full), want_full), isa
+        with pytest.raises(RuntimeError, match="whole super-blocks"):
+            ops.kquant_repack(kind, raw[:, :-1].contiguous())
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=IDS)
 def test_gguf_blocks_repack_the_files_bytes(kind):
     """Q4_K / Q5_K: the 12 bytes of 6-bit scales and mins unpacked to 16 (148 and 180 bytes a
-    super-block, within 3% of the file's), the rest of the block unchanged; Q6_K as it is."""
+    super-block, within 3% of the file's); every format's codes in lane order: position
+    p = 32 v + 4 j + b (vector v, 4-byte lane j) holds a code of sub-block j (Q6_K: j, and 8 + j
+    in vectors 4-7), packed as the file packs its codes; the rest of the block unchanged."""
     name = GGML_NAMES[kind]
     assert block_type(name) and not block_type("Q3_K") and not block_type("IQ4_XS")
     fmt, size = FORMATS[name]
@@ -225,10 +260,19 @@ def test_gguf_blocks_repack_the_files_bytes(kind):
     mem = blocks.q.numpy().reshape(12, kquant.BLOCK_BYTES[kind])
     file = raw.reshape(12, size)
     assert raw.nbytes <= blocks.nbytes() <= 1.03 * raw.nbytes
+    lanes = kquant._unpack(kind, torch.from_numpy(mem[:, kquant.CODES[kind]])).numpy()
+    per = 16 if kind == kquant.Q6_K else 32
+    for blk in (0, 7, 11):
+        for p in range(256):
+            v, j, b = p // 32, p % 32 // 4, p % 4
+            w = int(kquant.LANE_ORDER[kind][p])
+            sub = j + 8 * (v // 4) if kind == kquant.Q6_K else j
+            assert w // per == sub and w % per == 4 * (v % (4 if kind == kquant.Q6_K else 8)) + b
+            assert lanes[blk, p] == file_code(kind, file[blk], w), (blk, p)
     if kind == kquant.Q6_K:
-        assert np.array_equal(mem, file)
+        assert np.array_equal(mem[:, 192:], file[:, 192:])
     else:
-        assert np.array_equal(mem[:, :4], file[:, :4]) and np.array_equal(mem[:, 20:], file[:, 16:])
+        assert np.array_equal(mem[:, :4], file[:, :4])
         sc, mn = (torch.from_numpy(file[:, 4:16]).int(),) * 2
         want_sc = [(sc[:, j] & 63) if j < 4 else (sc[:, j + 4] & 15) | ((sc[:, j - 4] >> 6) << 4)
                    for j in range(8)]  # llama.cpp's get_scale_min_k4

@@ -56,6 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none());
   m.def("kquant_quantize_x", &kquant_quantize_x,
         "activations as kquant_linear quantizes them: (q, d, sums of 16)", py::arg("x"));
+  m.def("kquant_repack", &kquant_repack,
+        "K-quant super-blocks from the file's layout to kquant_linear's", py::arg("kind"),
+        py::arg("raw"));
   m.def("kquant_kernel", &kquant_kernel, "kquant_linear's path on this build and CPU");
   m.def("int8_gemv", &int8_gemv, "exact int32 xq . wq^T for a few rows (W8A8 decode)",
         py::arg("xq"), py::arg("wq"));

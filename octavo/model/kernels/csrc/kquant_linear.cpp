@@ -3,20 +3,23 @@
 // activation row is quantized per 256 to int8 (Q8K: one fp32 scale per 256 and the sums of every
 // 16 quantized values, which the formats' mins and Q6_K's offset need), and each super-block's
 // dot product is taken on integers (kquant_simd.h), then scaled in fp32. Super-block layouts in
-// memory (kquant.repack; gguf-py's gguf.quants is the reference for the file's):
+// memory (kquant_repack.cpp at load; kquant.py is the reference; gguf-py's gguf.quants the
+// file's), every format's 256 codes in lane order (kquant_codes.h: each 4-byte lane of a
+// 32-code vector holds one sub-block's codes, and the SIMD paths take the activations permuted
+// the same way, so the sub-block scales apply once per super-block):
 //   Q4_K, 148 bytes: d fp16, dmin fp16, 8 scale bytes, 8 min bytes (the file's 12 bytes of 6-bit
-//     values, unpacked at load), 128 bytes of nibbles (bytes 32j..32j+31: sub-block 2j in the
-//     low nibbles, 2j+1 in the high); w = d * scale_s * q - dmin * min_s, 8 sub-blocks of 32.
-//   Q5_K, 180 bytes: d, dmin, the 16 scale and min bytes, 32 bytes qh (bit s of byte l: the
-//     fifth bit of sub-block s's element l), then Q4_K's 128 bytes of nibbles.
-//   Q6_K, 210 bytes (the file's): 128 bytes ql (low nibbles), 64 bytes qh (2 high bits), 16 int8
-//     scales (one per 16 weights), d fp16; w = d * scale_s * (q - 32).
+//     values, unpacked at load), 128 bytes of nibbles; w = d * scale_s * q - dmin * min_s, 8
+//     sub-blocks of 32.
+//   Q5_K, 180 bytes: d, dmin, the 16 scale and min bytes, 32 bytes of fifth bits, then Q4_K's
+//     128 bytes of nibbles.
+//   Q6_K, 210 bytes: 128 bytes ql (low nibbles), 64 bytes qh (2 high bits), 16 int8 scales (one
+//     per 16 weights), d fp16; w = d * scale_s * (q - 32).
 // Paths (chosen at run time): in the AVX-512 build, AVX512-VNNI where the CPU has avx512_vnni;
 // AVX2 (vpmaddubsw + vpmaddwd; also the AVX-512 build's path without VNNI); portable C++.
 // Batch sizes: up to 7 rows (decode), each weight row against up to 8 activation rows
-// (kquant_simd.h's row_dot); from 8 rows on (prefill), whole groups of 8 rows go through
+// (kquant_simd.h's rows_dot); from 8 rows on (prefill), whole groups of 8 rows go through
 // kquant_tile.h's tiles, whose rows are interleaved per super-block, with the weights taken in
-// L2-sized chunks, and give each row the same bits (the rows left over take row_dot).
+// L2-sized chunks, and give each row the same bits (the rows left over take rows_dot).
 // kquant_dequantize widens rows to fp32 exactly as gguf-py does (the products are exact in fp32
 // and each weight rounds once, so the operation order cannot change a bit).
 #include <ATen/Parallel.h>
@@ -30,6 +33,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kquant_codes.h"
 #include "ops.h"
 
 namespace {
@@ -62,16 +66,25 @@ struct Q8K {
   const int16_t* bsums;  // [M, K / 16]: sums of every 16 q
 };
 
-// Full groups of 8 activation rows interleaved per super-block for kquant_tile.h: values
-// [G][nb][8][256], dx [G][nb][8], and the sums the format needs ([G][nb][8][8] sums of 32 for
-// Q4_K / Q5_K, [G][nb][8][16] sums of 16 for Q6_K), copied from Q8K (the sums of 32 are the
-// int16 pairwise sums row_dot takes with vphaddw)
+// Full groups of 8 activation rows interleaved per super-block for kquant_tile.h: values in
+// lane order [G][nb][8][256], dx [G][nb][8], and the format's per-row terms: Q4_K / Q5_K
+// bx [G][nb][8][8], each sub-block's sum of 32 values times dx (the same fp32 product rows_dot
+// takes); Q6_K offset [G][nb][8][16], -32 times each sub-block's sum of 16
 struct Q8KTile {
   int64_t nb;
   const int8_t* q;
   const float* d;
-  const int16_t* sums;
+  const float* bx;
+  const int32_t* offset;
 };
+
+using kquant::lane_weight;
+
+// one row's quantized activations (K values) from weight order to the kind's lane order
+void to_lane_order(int kind, const int8_t* x, int8_t* out, int64_t K) {
+  for (int64_t b = 0; b < K; b += 256)
+    for (int p = 0; p < 256; p += 4) std::memcpy(out + b + p, x + b + lane_weight(kind, p), 4);
+}
 
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
   for (int64_t b = 0; b < K / 256; ++b) {
@@ -92,37 +105,25 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums
 
 // ---- one super-block's codes and scales (portable dot, dequantization) ----------------------
 
-// q: the 256 codes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, before Q6_K's -32); sc: the scale per
-// 32 (Q4_K/Q5_K, 8) or per 16 (Q6_K, 16); mn: the mins per 32 (Q4_K/Q5_K)
+// q: the 256 codes in lane order (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, before Q6_K's -32);
+// sc: the scale per 32 (Q4_K/Q5_K, 8) or per 16 (Q6_K, 16); mn: the mins per 32 (Q4_K/Q5_K)
 template <int KIND>
-inline void unpack_block(const uint8_t* blk, uint8_t* q, int* sc, int* mn) {
+inline void unpack_lanes(const uint8_t* blk, uint8_t* q, int* sc, int* mn) {
   if (KIND == kQ6K) {
-    const uint8_t* ql = blk;
-    const uint8_t* qh = blk + 128;
-    for (int h = 0; h < 2; ++h)
-      for (int l = 0; l < 32; ++l) {
-        const int hb = qh[32 * h + l];
-        uint8_t* o = q + 128 * h + l;
-        o[0] = (ql[64 * h + l] & 15) | ((hb & 3) << 4);
-        o[32] = (ql[64 * h + 32 + l] & 15) | (((hb >> 2) & 3) << 4);
-        o[64] = (ql[64 * h + l] >> 4) | (((hb >> 4) & 3) << 4);
-        o[96] = (ql[64 * h + 32 + l] >> 4) | (((hb >> 6) & 3) << 4);
-      }
+    kquant::unpack_codes<KIND>(blk, q);
     for (int s = 0; s < 16; ++s) sc[s] = static_cast<int8_t>(blk[192 + s]);
     return;
   }
   for (int s = 0; s < 8; ++s) sc[s] = blk[4 + s], mn[s] = blk[12 + s];
-  const uint8_t* qs = blk + (KIND == kQ4K ? 20 : 52);
-  for (int j = 0; j < 4; ++j)
-    for (int l = 0; l < 32; ++l) {
-      q[64 * j + l] = qs[32 * j + l] & 15;
-      q[64 * j + 32 + l] = qs[32 * j + l] >> 4;
-    }
-  if (KIND == kQ5K) {
-    const uint8_t* qh = blk + 20;
-    for (int s = 0; s < 8; ++s)
-      for (int l = 0; l < 32; ++l) q[32 * s + l] |= ((qh[l] >> s) & 1) << 4;
-  }
+  kquant::unpack_codes<KIND>(blk + 20, q);
+}
+
+// the codes in weight order
+template <int KIND>
+inline void unpack_block(const uint8_t* blk, uint8_t* q, int* sc, int* mn) {
+  alignas(64) uint8_t lanes[256];
+  unpack_lanes<KIND>(blk, lanes, sc, mn);
+  for (int p = 0; p < 256; ++p) q[lane_weight(KIND, p)] = lanes[p];
 }
 
 template <int KIND>
@@ -233,6 +234,11 @@ int64_t rows_per_pass(int64_t K) { return std::max<int64_t>(4, (192 * 1024 / K) 
 // weight rows a thread takes at once (their bytes stay in L2) while each tile of 8 activation
 // rows, in L1 at the models' K, passes them
 constexpr int64_t kWeightChunk = 192 * 1024;
+// above this K a tile's 8 activation rows (8 K bytes) leave the 32 KB L1, and a path with
+// tile_rows > 1 takes several weight rows per read of them. Below it one row at a time measured
+// faster (VNNI, one core, M = 512: Q4_K 8960 x 1536 248 G integer ops/s, 183 two rows at a time;
+// 1536 x 8960 158 and 171)
+constexpr int64_t kTileL1 = 3072;
 
 // weight rows a decode's one activation row takes at once on the VNNI path. One core, by CPU
 // time, 65,536 x 1536 weights from memory: Q4_K 20.2 GB/s one row at a time, 23.8 four;
@@ -241,13 +247,15 @@ constexpr int64_t kWeightChunk = 192 * 1024;
 template <int KIND>
 constexpr int kPairRows = KIND == kQ4K ? 4 : KIND == kQ5K ? 2 : 1;
 
-// the first `groups` groups of 8 rows through tile(row, g, out, bias), the rest through
+// the first `groups` groups of 8 rows through tile(row, g, out, bias), `tile_rows` weight rows
+// at a time (then one at a time: tile1), the rest through
 // dot(row, m0, m1, out, bias); one activation row (a decode's) through pair(row, out, bias),
 // `rows` weight rows at a time, where the path has it (the same bits as dot)
-template <int rows, typename Dot, typename Tile, typename Pair>
+template <int rows, int tile_rows, typename Dot, typename Tile, typename Tile1, typename Pair>
 void run_rows(const uint8_t* q, int64_t row_bytes, const Q8K& X, int64_t M, int64_t groups,
               float* out, int64_t N, int64_t n0, int64_t n1, const float* bias, Dot&& dot,
-              Tile&& tile, Pair&& pair) {
+              Tile&& tile, Tile1&& tile1, Pair&& pair) {
+  static const float zeros[8] = {};
   const int64_t pass = rows_per_pass(X.K);
   if constexpr (rows > 1) {
     if (M == 1 && groups == 0) {
@@ -267,9 +275,13 @@ void run_rows(const uint8_t* q, int64_t row_bytes, const Q8K& X, int64_t M, int6
   const int64_t chunk = std::max<int64_t>(16, kWeightChunk / row_bytes);
   for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
     const int64_t c1 = std::min(n1, c0 + chunk);
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t n = c0; n < c1; ++n)
-        tile(q + n * row_bytes, g, out + 8 * g * N + n, bias ? bias[n] : 0.f);
+    for (int64_t g = 0; g < groups; ++g) {
+      int64_t n = c0;
+      if (X.K > kTileL1)
+        for (; n + tile_rows <= c1; n += tile_rows)
+        tile(q + n * row_bytes, g, out + 8 * g * N + n, bias ? bias + n : zeros);
+      for (; n < c1; ++n) tile1(q + n * row_bytes, g, out + 8 * g * N + n, bias ? bias + n : zeros);
+    }
     for (int64_t ms = 8 * groups; ms < M; ms += pass) {
       const int64_t me = std::min(M, ms + pass);
       for (int64_t n = c0; n < c1; ++n) dot(q + n * row_bytes, ms, me, out + n, bias ? bias[n] : 0.f);
@@ -290,8 +302,8 @@ void run_rows(const uint8_t* q, int64_t row_bytes, const Q8K& X, int64_t M, int6
       default: break;                                                                        \
     }                                                                                        \
   }
-#define KQ_TILE(NS) \
-  [&](const uint8_t* row, int64_t g, float* o, float bn) { NS::tile_dot<KIND>(row, *T, g, o, N, bn); }
+#define KQ_TILE(NS, NR) \
+  [&](const uint8_t* row, int64_t g, float* o, const float* bn) { NS::tile_dot<KIND, NR>(row, row_bytes, *T, g, o, N, bn); }
 #define KQ_PAIR(NS) \
   [&](const uint8_t* row, float* o, const float* bn) { NS::rows_dot<KIND, kPairRows<KIND>, 1>(row, row_bytes, X, 0, o, N, bn); }
 
@@ -302,23 +314,26 @@ void linear_rows(Path path, const uint8_t* q, int64_t row_bytes, const Q8K& X, c
   switch (path) {
 #if defined(__AVX512F__)
     case Path::kVnni:
-      run_rows<kPairRows<KIND>>(q, row_bytes, X, M, groups, out, N, n0, n1, bias, KQ_ROWS(kq_vnni), KQ_TILE(kq_vnni),
-               KQ_PAIR(kq_vnni));
+      run_rows<kPairRows<KIND>, 2>(q, row_bytes, X, M, groups, out, N, n0, n1, bias, KQ_ROWS(kq_vnni),
+                                   KQ_TILE(kq_vnni, 2), KQ_TILE(kq_vnni, 1), KQ_PAIR(kq_vnni));
       return;
 #endif
 #if defined(__AVX2__)
     case Path::kAvx2:
-      run_rows<1>(q, row_bytes, X, M, groups, out, N, n0, n1, bias, KQ_ROWS(kq_avx2), KQ_TILE(kq_avx2),
-               nullptr);  // one row at a time: several were not measured on an AVX2 CPU
+      // one row at a time: AVX2's 16 registers hold one row's 8 sums, and several decode rows
+      // were not measured on an AVX2 CPU
+      run_rows<1, 1>(q, row_bytes, X, M, groups, out, N, n0, n1, bias, KQ_ROWS(kq_avx2),
+                     KQ_TILE(kq_avx2, 1), KQ_TILE(kq_avx2, 1), nullptr);
       return;
 #endif
     default:
-      run_rows<1>(q, row_bytes, X, M, 0, out, N, n0, n1, bias,
+      run_rows<1, 1>(q, row_bytes, X, M, 0, out, N, n0, n1, bias,
                [&](const uint8_t* row, int64_t ms, int64_t me, float* o, float bn) {
                  for (int64_t m = ms; m < me; m += 16)
                    rows_dot_portable<KIND>(row, X, m, std::min(me, m + 16), o, N, bn);
                },
-               [](const uint8_t*, int64_t, float*, float) {}, nullptr);
+               [](const uint8_t*, int64_t, float*, const float*) {},
+               [](const uint8_t*, int64_t, float*, const float*) {}, nullptr);
   }
 }
 #undef KQ_ROWS
@@ -384,37 +399,51 @@ at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
   const auto xq = kquant_quantize_x(x);
   const int64_t M = x.size(0);
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const Q8K X{K, K / 256, xq[0].data_ptr<int8_t>(), xq[1].data_ptr<float>(),
+  Q8K X{K, K / 256, xq[0].data_ptr<int8_t>(), xq[1].data_ptr<float>(),
               xq[2].data_ptr<int16_t>()};
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const int64_t row_bytes = q.size(1);
   float* op = out.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const Path path = kernel_path();
-  at::Tensor tq, td, ts;
+  at::Tensor xl, tq, td, tt;
+  if (path != Path::kPortable) {  // the SIMD kernels take the activations in lane order
+    xl = at::empty_like(xq[0]);
+    int8_t* xlp = xl.data_ptr<int8_t>();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) to_lane_order(kind, X.q + m * K, xlp + m * K, K);
+    });
+    X.q = xlp;
+  }
   Q8KTile tile{};
   const int64_t groups = path == Path::kPortable ? 0 : M / 8;
   if (groups > 0) {
-    const int64_t nb = X.nb, per = kind == kQ6K ? 16 : 8;
+    const int64_t nb = X.nb;
     tq = at::empty({groups * nb * 8 * 256}, xq[0].options());
     td = at::empty({groups * nb * 8}, xq[1].options());
-    ts = at::empty({groups * nb * 8 * per}, xq[2].options());
+    tt = at::empty({groups * nb * 8 * (kind == kQ6K ? 16 : 8)},
+                   xq[1].options().dtype(kind == kQ6K ? at::kInt : at::kFloat));
     int8_t* tqp = tq.data_ptr<int8_t>();
     float* tdp = td.data_ptr<float>();
-    int16_t* tsp = ts.data_ptr<int16_t>();
+    float* bxp = kind == kQ6K ? nullptr : tt.data_ptr<float>();
+    int32_t* offp = kind == kQ6K ? tt.data_ptr<int32_t>() : nullptr;
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g)
         for (int64_t b = 0; b < nb; ++b)
           for (int64_t m = 0; m < 8; ++m) {
             const int64_t r = 8 * g + m, at = (g * nb + b) * 8 + m;
             std::memcpy(tqp + at * 256, X.q + r * K + b * 256, 256);
-            tdp[at] = X.d[r * nb + b];
+            const float dx = X.d[r * nb + b];
+            tdp[at] = dx;
             const int16_t* bs = X.bsums + r * (K / 16) + b * 16;
-            for (int64_t i = 0; i < per; ++i)
-              tsp[at * per + i] = per == 16 ? bs[i] : static_cast<int16_t>(bs[2 * i] + bs[2 * i + 1]);
+            if (offp)
+              for (int64_t i = 0; i < 16; ++i) offp[at * 16 + i] = -32 * bs[i];
+            else
+              for (int64_t i = 0; i < 8; ++i)
+                bxp[at * 8 + i] = static_cast<float>(bs[2 * i] + bs[2 * i + 1]) * dx;
           }
     });
-    tile = Q8KTile{nb, tqp, tdp, tsp};
+    tile = Q8KTile{nb, tqp, tdp, bxp, offp};
   }
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     with_kind(kind, [&](auto k) {

@@ -1,124 +1,137 @@
 // Prefill-sized batches of K-quant layers: one weight row against a group of 8 activation rows
-// whose quantized values, scales and sums kquant_linear.cpp interleaved per super-block (Q8KTile),
-// so that every load of the tile's inner loop is one base pointer plus a constant, and the
-// per-row scalar work of kquant_simd.h's row_dot (d * dx, -dmin * dx, the sums of 32) is one
-// vector multiply per super-block or was done once per call instead of once per weight row.
+// whose quantized values (in lane order), dx and per-super-block terms kquant_linear.cpp
+// interleaved per super-block (Q8KTile), so that every load of the tile's inner loop is one base
+// pointer plus a constant, and the per-row work of kquant_simd.h's rows_dot that does not depend
+// on the weights (the mins' bsum_j * dx, Q6_K's -32 * bsum_j) was done once per call instead of
+// once per weight row.
 //
-// The result is row_dot<KIND, 8>'s bit for bit: each int32 lane of a super-block's sum holds the
-// same products (the same dot_scaled over the same bytes; integer sums are exact in any order),
-// and each fp32 accumulator lane takes the same fmadd with the same operands in super-block
-// order, then the same horizontal sums. A row's result therefore stays the same whatever batch
-// computes it (tests/model/quant/test_kquant.py checks the bits).
+// The result is rows_dot<KIND, 1, 1>'s bit for bit: each int32 lane of a super-block's sums holds
+// the same products (integer sums are exact in any order), each fp32 lane takes the same
+// multiplies and fmadds with the same operands in super-block order (the stored bsum_j * dx is
+// the same single rounding rows_dot makes), then the same horizontal sum. A row's result therefore
+// stays the same whatever batch computes it (tests/model/quant/test_kquant.py checks the bits).
 //
-// Included by kquant_linear.cpp after kquant_simd.h, into the same KQ_NS (dot_scaled, the masks, load32,
-// hsum8, hsum4). Needs Q8KTile and kBytes.
+// Included by kquant_linear.cpp after kquant_simd.h, into the same KQ_NS. Needs Q8KTile and
+// kBytes.
 
 namespace KQ_NS {
 
-// sums[m] += the 32 codes q times row m's 32 values at x + 256 m, each pair (quad) times its
-// lane's scale: dot_scaled over the tile's 8 rows. In the AVX2 build GCC kept more of the
-// unpacked codes and scales live than its 16 vector registers hold and spilled the sums to the
-// stack (a store and a reload per product); the assembly keeps the 8 sums, q, sc and one
-// temporary in registers. With AVX-512's 32 registers (the VNNI build) the intrinsics do.
-static inline void dot8(__m256i (&sums)[8], __m256i q, __m256i sc, const int8_t* x) {
-#if KQ_VNNI || !defined(__GNUC__) || defined(__AVX512F__)
-  for (int m = 0; m < 8; ++m) sums[m] = dot_scaled(sums[m], q, load32(x + 256 * m), sc);
-#else
-#define KQ_ROW(M, OFF)                    \
-  "vpmaddubsw " OFF "(%[x]), %[q], %[t]\n\t" \
-  "vpmaddwd %[sc], %[t], %[t]\n\t"         \
-  "vpaddd %[t], %[s" M "], %[s" M "]\n\t"
-  __m256i t;
-  __asm__(KQ_ROW("0", "0") KQ_ROW("1", "256") KQ_ROW("2", "512") KQ_ROW("3", "768")
-              KQ_ROW("4", "1024") KQ_ROW("5", "1280") KQ_ROW("6", "1536") KQ_ROW("7", "1792")
-          : [s0] "+x"(sums[0]), [s1] "+x"(sums[1]), [s2] "+x"(sums[2]), [s3] "+x"(sums[3]),
-            [s4] "+x"(sums[4]), [s5] "+x"(sums[5]), [s6] "+x"(sums[6]), [s7] "+x"(sums[7]),
-            [t] "=&x"(t)
-          : [x] "r"(x), [q] "x"(q), [sc] "x"(sc),
-            "m"(*reinterpret_cast<const int8_t(*)[7 * 256 + 32]>(x)));
-#undef KQ_ROW
-#endif
+// sums[r][m] += the 32 codes q[r] times row m's 32 values at x + 256 m, per 4-byte lane: each
+// activation load serves NR weight rows
+template <int NR>
+static inline void dot8(__m256i (&sums)[NR][8], const __m256i (&q)[NR], const int8_t* x) {
+  for (int m = 0; m < 8; ++m) {
+    const __m256i xm = load32(x + 256 * m);
+    for (int r = 0; r < NR; ++r) sums[r][m] = dot4(sums[r][m], q[r], xm);
+  }
 }
 
-// The group's per-super-block data as stored: values [nb][8][256], dx [nb][8], and the sums the
-// format needs, [nb][8][8] sums of 32 (Q4_K / Q5_K) or [nb][8][16] sums of 16 (Q6_K)
-template <int KIND>
-static void tile_dot(const uint8_t* row, const Q8KTile& T, int64_t g, float* out, int64_t ldo,
-                     float bias) {
-  constexpr int kSums = KIND == kQ6K ? 16 : 8;
-  alignas(32) float acc[8][8];
-  alignas(32) float accm[4][8];  // the mins' 4 lanes of rows 2p (low half) and 2p + 1 (high)
-  alignas(32) float dd[8];
+#if !KQ_VNNI
+// AVX2: sums[m] += NV vectors' products with row m's values at x + 256 m + 32 i, their
+// vpmaddubsw pair sums added as int16 and widened once (vpmaddwd by ones): 3 NV instructions
+// become 2 NV + 1 per row. Every vector's lane j belongs to the same sub-block, so the int16
+// sums stay per lane; they cannot wrap: a pair is at most 2 * 15 * 127 = 3810 for Q4_K (4 of
+// them 15240), 2 * 31 * 127 = 7874 for Q5_K (31496), 2 * 63 * 127 = 16002 for Q6_K (NV = 2:
+// 32004), and the activations are -127..127
+template <int NV>
+static inline void dot8_pairs(__m256i (&sums)[1][8], const __m256i (&q)[NV], const int8_t* x) {
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int m = 0; m < 8; ++m) {
-    _mm256_store_ps(acc[m], _mm256_setzero_ps());
-    _mm256_store_ps(accm[m / 2], _mm256_setzero_ps());
+    __m256i p = _mm256_maddubs_epi16(q[0], load32(x + 256 * m));
+    for (int i = 1; i < NV; ++i)
+      p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[i], load32(x + 256 * m + 32 * i)));
+    sums[0][m] = _mm256_add_epi32(sums[0][m], _mm256_madd_epi16(p, ones));
   }
+}
+#endif
+
+// NR weight rows (row, row + row_bytes, ...) against the group's 8 activation rows:
+// out[m * ldo + r]. The group's per-super-block data as stored: values [nb][8][256], dx [nb][8],
+// and the format's per-row terms: Q4_K / Q5_K [nb][8][8] fp32 bsum_j * dx; Q6_K [nb][8][16]
+// int32 -32 * bsum_j. NR = 2 (the VNNI build, whose 32 registers hold 16 sums) halves the
+// activations' reads per product: at K = 8960 a group's 70 KB is read from L2, not L1.
+template <int KIND, int NR>
+static void tile_dot(const uint8_t* row, int64_t row_bytes, const Q8KTile& T, int64_t g,
+                     float* out, int64_t ldo, const float* bias) {
+  alignas(32) float acc[NR][8][8];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < 8; ++m) _mm256_store_ps(acc[r][m], _mm256_setzero_ps());
   const int8_t* xg = T.q + g * T.nb * 2048;
   const float* dxg = T.d + g * T.nb * 8;
-  const int16_t* sg = T.sums + g * T.nb * 8 * kSums;
   for (int64_t b = 0; b < T.nb; ++b) {
-    const uint8_t* blk = row + b * kBytes[KIND];
+    const uint8_t* blk[NR];
+    for (int r = 0; r < NR; ++r) blk[r] = row + r * row_bytes + b * kBytes[KIND];
     const int8_t* xb = xg + b * 2048;
-    const __m256 dxv = _mm256_loadu_ps(dxg + b * 8);
-    const int16_t* sb = sg + b * 8 * kSums;
-    __m256i sumi[8];
+    const float* dxb = dxg + b * 8;
+    __m256i sums[NR][8];
+    [[maybe_unused]] __m256i q[NR];
     if (KIND == kQ6K) {
-      const uint8_t* ql = blk;
-      const uint8_t* qh = blk + 128;
-      _mm256_store_ps(dd, _mm256_mul_ps(_mm256_set1_ps(half_to_float(blk + 208)), dxv));
-      const __m256i sc16 =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-      for (int m = 0; m < 8; ++m)  // the codes' -32: 32 * sum(scale_s * sum of xq in s)
-        sumi[m] = _mm256_sub_epi32(
-            _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(sb + 16 * m)), 5));
-      const __m256i halves[2] = {_mm256_permute4x64_epi64(sc16, 0x44),
-                                 _mm256_permute4x64_epi64(sc16, 0xEE)};
+      const int32_t* off = T.offset + (g * T.nb + b) * 128;
+      __m256 sc[NR][2];
+      for (int r = 0; r < NR; ++r) q6_scales(blk[r], sc[r][0], sc[r][1]);
       for (int h = 0; h < 2; ++h) {
-        const __m256i b1 = load32(ql + 64 * h), b2 = load32(ql + 64 * h + 32);
-        const __m256i bh = load32(qh + 32 * h);
-        for (int k = 0; k < 4; ++k) {
-          const __m256i q = q6_codes(b1, b2, bh, k);
-          const __m256i sc = _mm256_shuffle_epi8(halves[h], mask(kMask6[k]));
-          dot8(sumi, q, sc, xb + 128 * h + 32 * k);
+        for (int m = 0; m < 8; ++m) {
+          const __m256i init = load32(off + 16 * m + 8 * h);
+          for (int r = 0; r < NR; ++r) sums[r][m] = init;
         }
+#if KQ_VNNI
+        for (int k = 0; k < 4; ++k) {
+          for (int r = 0; r < NR; ++r)
+            q[r] = q6_codes(load32(blk[r] + 64 * h), load32(blk[r] + 64 * h + 32),
+                            load32(blk[r] + 128 + 32 * h), k);
+          dot8<NR>(sums, q, xb + 128 * h + 32 * k);
+        }
+#else
+        static_assert(NR == 1, "the AVX2 tiles take one weight row");
+        const __m256i b1 = load32(blk[0] + 64 * h), b2 = load32(blk[0] + 64 * h + 32);
+        const __m256i bh = load32(blk[0] + 128 + 32 * h);
+        for (int k = 0; k < 4; k += 2) {
+          const __m256i qq[2] = {q6_codes(b1, b2, bh, k), q6_codes(b1, b2, bh, k + 1)};
+          dot8_pairs<2>(sums, qq, xb + 128 * h + 32 * k);
+        }
+#endif
+        for (int r = 0; r < NR; ++r)
+          for (int m = 0; m < 8; ++m)
+            _mm256_store_ps(acc[r][m], scaled(_mm256_load_ps(acc[r][m]), sc[r][h], sums[r][m],
+                                              _mm256_broadcast_ss(dxb + m)));
       }
     } else {
-      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-      _mm256_store_ps(dd, _mm256_mul_ps(_mm256_set1_ps(d), dxv));
-      const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(-dmin), dxv);
-      const __m128i sc8 =
-          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4)));
-      const __m256i mn16 = _mm256_broadcastsi128_si256(
-          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 12))));
-      for (int p = 0; p < 4; ++p) {  // rows 2p and 2p + 1: their sums of 32 are adjacent
-        const __m256i lanes = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1,
-                                                2 * p + 1, 2 * p + 1);
-        const __m256 mins = _mm256_cvtepi32_ps(_mm256_madd_epi16(mn16, load32(sb + 16 * p)));
-        _mm256_store_ps(accm[p], _mm256_fmadd_ps(_mm256_permutevar8x32_ps(dm, lanes), mins,
-                                                 _mm256_load_ps(accm[p])));
+      const float* bx = T.bx + (g * T.nb + b) * 64;
+      for (int r = 0; r < NR; ++r)
+        for (int m = 0; m < 8; ++m) sums[r][m] = _mm256_setzero_si256();
+#if KQ_VNNI
+      for (int v = 0; v < 8; ++v) {
+        for (int r = 0; r < NR; ++r) {
+          const uint8_t* qs = blk[r] + (KIND == kQ4K ? 20 : 52);
+          const __m256i hbits = KIND == kQ5K ? load32(blk[r] + 20) : _mm256_setzero_si256();
+          q[r] = q45_codes<KIND>(load32(qs + 32 * (v / 2)), hbits, v);
+        }
+        dot8<NR>(sums, q, xb + 32 * v);
       }
-      for (int m = 0; m < 8; ++m) sumi[m] = _mm256_setzero_si256();
-      const __m256i src = _mm256_set_m128i(sc8, sc8);
-      const uint8_t* qs = blk + (KIND == kQ4K ? 20 : 52);
-      __m256i hbits = _mm256_setzero_si256();
-      if (KIND == kQ5K) hbits = load32(blk + 20);
-      for (int j = 0; j < 4; ++j) {
-        const __m256i bits = load32(qs + 32 * j);
-        for (int half = 0; half < 2; ++half) {
-          const __m256i q = q45_codes<KIND>(bits, hbits, 2 * j + half);
-          const __m256i sc = _mm256_shuffle_epi8(src, mask(kMask4[2 * j + half]));
-          dot8(sumi, q, sc, xb + 64 * j + 32 * half);
+#else
+      static_assert(NR == 1, "the AVX2 tiles take one weight row");
+      const uint8_t* qs = blk[0] + (KIND == kQ4K ? 20 : 52);
+      const __m256i hbits = KIND == kQ5K ? load32(blk[0] + 20) : _mm256_setzero_si256();
+      for (int v = 0; v < 8; v += 4) {
+        const __m256i bits0 = load32(qs + 32 * (v / 2)), bits1 = load32(qs + 32 * (v / 2 + 1));
+        const __m256i qq[4] = {q45_codes<KIND>(bits0, hbits, v), q45_codes<KIND>(bits0, hbits, v + 1),
+                               q45_codes<KIND>(bits1, hbits, v + 2), q45_codes<KIND>(bits1, hbits, v + 3)};
+        dot8_pairs<4>(sums, qq, xb + 32 * v);
+      }
+#endif
+      for (int r = 0; r < NR; ++r) {
+        __m256 s, mn;
+        q45_scales(blk[r], s, mn);
+        for (int m = 0; m < 8; ++m) {
+          const __m256 a =
+              _mm256_fmadd_ps(mn, _mm256_load_ps(bx + 8 * m), _mm256_load_ps(acc[r][m]));
+          _mm256_store_ps(acc[r][m], scaled(a, s, sums[r][m], _mm256_broadcast_ss(dxb + m)));
         }
       }
     }
-    for (int m = 0; m < 8; ++m)
-      _mm256_store_ps(acc[m], _mm256_fmadd_ps(_mm256_broadcast_ss(dd + m),
-                                              _mm256_cvtepi32_ps(sumi[m]),
-                                              _mm256_load_ps(acc[m])));
   }
-  for (int m = 0; m < 8; ++m)
-    out[m * ldo] =
-        hsum8(_mm256_load_ps(acc[m])) + hsum4(_mm_load_ps(accm[m / 2] + 4 * (m % 2))) + bias;
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < 8; ++m) out[m * ldo + r] = hsum8(_mm256_load_ps(acc[r][m])) + bias[r];
 }
 
 }  // namespace KQ_NS

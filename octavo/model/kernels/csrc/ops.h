@@ -131,5 +131,8 @@ at::Tensor kquant_dequantize(int64_t kind, at::Tensor q, int64_t row_begin, int6
 // x [M, K] as kquant_linear quantizes it: (q int8 [M, K], d float32 [M, K/256],
 // sums of every 16 q int16 [M, K/16])
 std::vector<at::Tensor> kquant_quantize_x(at::Tensor x);
+// a K-quant weight's file super-blocks [N, K / 256 * 144 / 176 / 210] -> the in-memory layout
+// kquant_linear takes (kquant_repack.cpp; kquant.py's repack)
+at::Tensor kquant_repack(int64_t kind, at::Tensor raw);
 // which of kquant_linear's paths runs here: "avx512_vnni", "avx2" or "portable"
 std::string kquant_kernel();
