@@ -45,6 +45,8 @@ constexpr int64_t kBytes[5] = {0, 0, 148, 180, 210};
 // kernel, one thread over 53 MB of Q4_K / Q6_K rows: 11-12 GB/s without, 13-15 GB/s with
 // (AMD EPYC); the hardware's own prefetcher does not run far enough ahead.
 constexpr int64_t kStreamAhead = 4096;
+// NR > 1 decode rows (kquant_simd.h) prefetch the rows this many groups of NR ahead
+constexpr int64_t kAheadGroups = 2;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -240,12 +242,14 @@ constexpr int64_t kWeightChunk = 192 * 1024;
 // 1536 x 8960 158 and 171)
 constexpr int64_t kTileL1 = 3072;
 
-// weight rows a decode's one activation row takes at once on the VNNI path. One core, by CPU
-// time, 65,536 x 1536 weights from memory: Q4_K 20.2 GB/s one row at a time, 23.8 four;
-// Q5_K 18.4, 21.9 two; Q6_K 22.7, 19.7 two. From L3 (4096 x 1536): Q4_K 22.2, 24.9 two,
-// 27.3 four; Q6_K 29.6, 31.7 two, 23.6 four (its registers spill).
+// weight rows a decode's one activation row takes at once on the VNNI path. With the codes in
+// lane order (one vpdpbusd per 32 weights) four Q4_K rows streamed worse than two: Qwen2.5-
+// Coder-1.5B's tg128, one thread, three alternated runs each: 13.4-14.3 tok/s with four rows
+// and the next group prefetched, 16.5-18.0 with two rows and the group after next (HEAD
+// before the lane order: 15.4-16.2). Q6_K at two rows was not clearly better (13.9-17.0
+// against 14.4-17.0).
 template <int KIND>
-constexpr int kPairRows = KIND == kQ4K ? 4 : KIND == kQ5K ? 2 : 1;
+constexpr int kPairRows = KIND == kQ6K ? 1 : 2;
 
 // the first `groups` groups of 8 rows through tile(row, g, out, bias), `tile_rows` weight rows
 // at a time (then one at a time: tile1), the rest through

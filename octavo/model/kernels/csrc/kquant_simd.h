@@ -105,7 +105,7 @@ static inline __m256i q45_codes(__m256i bits, __m256i hbits, int v) {
 // NR weight rows (row0, row0 + row_bytes, ...) against activation rows m0..m0+MT-1:
 // out[m * ldo + r]. Each (weight row, activation row) pair takes exactly the arithmetic of NR = 1
 // (so the same bits); NR > 1 shares the activations' loads between weight rows and gives the
-// core independent work (a decode's one activation row takes NR = 4 for Q4_K).
+// core independent work (a decode's one activation row takes NR = 2 for Q4_K and Q5_K).
 template <int KIND, int NR, int MT>
 static void rows_dot(const uint8_t* row0, int64_t row_bytes, const Q8K& X, int64_t m0,
                      float* out, int64_t ldo, const float* bias) {
@@ -119,13 +119,14 @@ static void rows_dot(const uint8_t* row0, int64_t row_bytes, const Q8K& X, int64
       // a decode's one row streams the weights: one weight row asks for the bytes kStreamAhead
       // past this super-block; NR rows read in step are NR short streams, which the hardware's
       // prefetcher does not follow (Q4_K from memory, 4 rows: 6.4 GB/s, 11.4 with the one-row
-      // distance), so each asks for the same super-block of its row in the next NR rows
+      // distance), so each super-block asks, in order, for as many bytes of the group of NR
+      // rows kAheadGroups groups ahead
       if (MT == 1 && NR == 1)
         for (int64_t l = 0; l < kBytes[KIND]; l += 64)
           __builtin_prefetch(blk[r] + kStreamAhead + l, 0, 3);
     }
     if (MT == 1 && NR > 1) {
-      const uint8_t* next = row0 + NR * row_bytes + b * NR * kBytes[KIND];
+      const uint8_t* next = row0 + kAheadGroups * NR * row_bytes + b * NR * kBytes[KIND];
       for (int64_t l = 0; l < NR * kBytes[KIND]; l += 64) __builtin_prefetch(next + l, 0, 3);
     }
     const int8_t* xq[MT];
