@@ -14,7 +14,9 @@
   (GGUF Q4_0/Q4_1/Q8_0, int4; block_quant.py).
 - `kquant_linear`, `kquant_dequantize`: the same for GGUF's K-quant super-blocks (Q4_K, Q5_K,
   Q6_K) on integer dot products, the AVX-512 build taking AVX512-VNNI where the CPU has it;
-  from 8 rows on in tiles of 8 activation rows (kquant_tile.h), each row's bits unchanged.
+  from 8 rows on in tiles of 8 activation rows (kquant_tile.h), each row's bits unchanged;
+  `kquant_repack`, the file's super-blocks into the layout they take (codes in lane order:
+  kquant_codes.h).
 - `gated_delta_step`, `ssd_step`: one decode step of the recurrent layers (Gated DeltaNet,
   Mamba-2) for a batch, each sequence's state updated in place in its state slot.
 - `DecodeStack`: every decoder layer of an all-decode step in one C++ loop (decode_stack.py).
