@@ -63,7 +63,7 @@ inline float half_to_float(const uint8_t* p) {
 // activations quantized per 256: x ~ q * d
 struct Q8K {
   int64_t K, nb;         // per row: values, super-blocks
-  const int8_t* q;       // [M, K]
+  const int8_t* q;       // [M, K], each super-block in lane order on the SIMD paths
   const float* d;        // [M, nb]
   const int16_t* bsums;  // [M, K / 16]: sums of every 16 q
 };
@@ -82,13 +82,9 @@ struct Q8KTile {
 
 using kquant::lane_weight;
 
-// one row's quantized activations (K values) from weight order to the kind's lane order
-void to_lane_order(int kind, const int8_t* x, int8_t* out, int64_t K) {
-  for (int64_t b = 0; b < K; b += 256)
-    for (int p = 0; p < 256; p += 4) std::memcpy(out + b + p, x + b + lane_weight(kind, p), 4);
-}
-
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
+// one row quantized per 256; lanes: each super-block's values in the lane order of that kind
+// (kquant_codes.h; the sums of 16 stay in weight order), or 0 for weight order
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums, int lanes) {
   for (int64_t b = 0; b < K / 256; ++b) {
     const float* xb = x + b * 256;
     float amax = 0.f;
@@ -102,6 +98,11 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums
       bsums[b * 16 + g] = static_cast<int16_t>(sum);
     }
     d[b] = amax / 127.f;
+    if (lanes) {
+      int8_t w[256];
+      std::memcpy(w, q + b * 256, 256);
+      for (int p = 0; p < 256; p += 4) std::memcpy(q + b * 256 + p, w + lane_weight(lanes, p), 4);
+    }
   }
 }
 
@@ -376,7 +377,10 @@ std::string kquant_kernel() {
   }
 }
 
-std::vector<at::Tensor> kquant_quantize_x(at::Tensor x) {
+namespace {
+
+// x [M, K] quantized per 256 (quantize_row; lanes as there)
+std::vector<at::Tensor> quantize_x(const at::Tensor& x, int lanes) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 256 == 0, "x must be [M, K] with K a multiple of 256");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1);
@@ -386,10 +390,15 @@ std::vector<at::Tensor> kquant_quantize_x(at::Tensor x) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       quantize_row(xf.data_ptr<float>() + m * K, K, q.data_ptr<int8_t>() + m * K,
-                   d.data_ptr<float>() + m * (K / 256), bsums.data_ptr<int16_t>() + m * (K / 16));
+                   d.data_ptr<float>() + m * (K / 256), bsums.data_ptr<int16_t>() + m * (K / 16),
+                   lanes);
   });
   return {q, d, bsums};
 }
+
+}  // namespace
+
+std::vector<at::Tensor> kquant_quantize_x(at::Tensor x) { return quantize_x(x, 0); }
 
 at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
                          c10::optional<at::Tensor> bias) {
@@ -400,25 +409,18 @@ at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == N, "bias must be [N]");
   }
-  const auto xq = kquant_quantize_x(x);
+  const Path path = kernel_path();
+  // the SIMD kernels take the activations in lane order, the portable loops in weight order
+  const auto xq = quantize_x(x, path == Path::kPortable ? 0 : static_cast<int>(kind));
   const int64_t M = x.size(0);
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  Q8K X{K, K / 256, xq[0].data_ptr<int8_t>(), xq[1].data_ptr<float>(),
+  const Q8K X{K, K / 256, xq[0].data_ptr<int8_t>(), xq[1].data_ptr<float>(),
               xq[2].data_ptr<int16_t>()};
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const int64_t row_bytes = q.size(1);
   float* op = out.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const Path path = kernel_path();
-  at::Tensor xl, tq, td, tt;
-  if (path != Path::kPortable) {  // the SIMD kernels take the activations in lane order
-    xl = at::empty_like(xq[0]);
-    int8_t* xlp = xl.data_ptr<int8_t>();
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) to_lane_order(kind, X.q + m * K, xlp + m * K, K);
-    });
-    X.q = xlp;
-  }
+  at::Tensor tq, td, tt;
   Q8KTile tile{};
   const int64_t groups = path == Path::kPortable ? 0 : M / 8;
   if (groups > 0) {
