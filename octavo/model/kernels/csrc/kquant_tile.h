@@ -69,12 +69,14 @@ static void tile_dot(const uint8_t* row, int64_t row_bytes, const Q8KTile& T, in
       const int32_t* off = T.offset + (g * T.nb + b) * 128;
       __m256 sc[NR][2];
       for (int r = 0; r < NR; ++r) q6_scales(blk[r], sc[r][0], sc[r][1]);
+#pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         for (int m = 0; m < 8; ++m) {
           const __m256i init = load32(off + 16 * m + 8 * h);
           for (int r = 0; r < NR; ++r) sums[r][m] = init;
         }
 #if KQ_VNNI
+#pragma GCC unroll 4
         for (int k = 0; k < 4; ++k) {
           for (int r = 0; r < NR; ++r)
             q[r] = q6_codes(load32(blk[r] + 64 * h), load32(blk[r] + 64 * h + 32),
@@ -100,6 +102,7 @@ static void tile_dot(const uint8_t* row, int64_t row_bytes, const Q8KTile& T, in
       for (int r = 0; r < NR; ++r)
         for (int m = 0; m < 8; ++m) sums[r][m] = _mm256_setzero_si256();
 #if KQ_VNNI
+#pragma GCC unroll 8
       for (int v = 0; v < 8; ++v) {
         for (int r = 0; r < NR; ++r) {
           const uint8_t* qs = blk[r] + (KIND == kQ4K ? 20 : 52);
