@@ -69,9 +69,11 @@ struct Q8K {
 };
 
 // Full groups of 8 activation rows interleaved per super-block for kquant_tile.h: values in
-// lane order [G][nb][8][256], dx [G][nb][8], and the format's per-row terms: Q4_K / Q5_K
-// bx [G][nb][8][8], each sub-block's sum of 32 values times dx (the same fp32 product rows_dot
-// takes); Q6_K offset [G][nb][8][16], -32 times each sub-block's sum of 16
+// lane order [G][nb][8 vectors][8 rows][32] (the 8 rows' vector v side by side, so that one
+// 64-byte load holds two rows' vector), dx [G][nb][8][8] (each row's dx 8 times, a vector of
+// lanes), and the format's per-row terms: Q4_K / Q5_K bx [G][nb][8][8], each sub-block's sum of
+// 32 values times dx (the same fp32 product rows_dot takes); Q6_K offset [G][nb][2][8][8], -32
+// times the sum of each of the 16 sub-blocks (half h: sub-blocks 8h..8h+7, row by row)
 struct Q8KTile {
   int64_t nb;
   const int8_t* q;
@@ -426,8 +428,8 @@ at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
   if (groups > 0) {
     const int64_t nb = X.nb;
     tq = at::empty({groups * nb * 8 * 256}, xq[0].options());
-    td = at::empty({groups * nb * 8}, xq[1].options());
-    tt = at::empty({groups * nb * 8 * (kind == kQ6K ? 16 : 8)},
+    td = at::empty({groups * nb * 64}, xq[1].options());
+    tt = at::empty({groups * nb * (kind == kQ6K ? 128 : 64)},
                    xq[1].options().dtype(kind == kQ6K ? at::kInt : at::kFloat));
     int8_t* tqp = tq.data_ptr<int8_t>();
     float* tdp = td.data_ptr<float>();
@@ -435,19 +437,22 @@ at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
     int32_t* offp = kind == kQ6K ? tt.data_ptr<int32_t>() : nullptr;
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g)
-        for (int64_t b = 0; b < nb; ++b)
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t at = g * nb + b;
           for (int64_t m = 0; m < 8; ++m) {
-            const int64_t r = 8 * g + m, at = (g * nb + b) * 8 + m;
-            std::memcpy(tqp + at * 256, X.q + r * K + b * 256, 256);
+            const int64_t r = 8 * g + m;
+            for (int64_t v = 0; v < 8; ++v)
+              std::memcpy(tqp + at * 2048 + v * 256 + m * 32, X.q + r * K + b * 256 + v * 32, 32);
             const float dx = X.d[r * nb + b];
-            tdp[at] = dx;
+            for (int64_t i = 0; i < 8; ++i) tdp[at * 64 + m * 8 + i] = dx;
             const int16_t* bs = X.bsums + r * (K / 16) + b * 16;
             if (offp)
-              for (int64_t i = 0; i < 16; ++i) offp[at * 16 + i] = -32 * bs[i];
+              for (int64_t i = 0; i < 16; ++i) offp[at * 128 + (i / 8) * 64 + m * 8 + i % 8] = -32 * bs[i];
             else
               for (int64_t i = 0; i < 8; ++i)
-                bxp[at * 8 + i] = static_cast<float>(bs[2 * i] + bs[2 * i + 1]) * dx;
+                bxp[at * 64 + m * 8 + i] = static_cast<float>(bs[2 * i] + bs[2 * i + 1]) * dx;
           }
+        }
     });
     tile = Q8KTile{nb, tqp, tdp, bxp, offp};
   }
