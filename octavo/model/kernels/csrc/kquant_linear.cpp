@@ -241,9 +241,9 @@ int64_t rows_per_pass(int64_t K) { return std::max<int64_t>(4, (192 * 1024 / K) 
 // rows, in L1 at the models' K, passes them
 constexpr int64_t kWeightChunk = 192 * 1024;
 // above this K a tile's 8 activation rows (8 K bytes) leave the 32 KB L1, and a path with
-// tile_rows > 1 takes several weight rows per read of them. Below it one row at a time measured
-// faster (VNNI, one core, M = 512: Q4_K 8960 x 1536 248 G integer ops/s, 183 two rows at a time;
-// 1536 x 8960 158 and 171)
+// tile_rows > 1 takes several weight rows per read of them. Below it one row at a time was as
+// fast or faster (the 512-bit VNNI tiles, one core, M = 512, K = 1536: two rows 228-245 G
+// integer ops/s, one 233-259; at K = 8960 two rows run Q6_K at 197-213)
 constexpr int64_t kTileL1 = 3072;
 
 // weight rows a decode's one activation row takes at once on the VNNI path. With the codes in
