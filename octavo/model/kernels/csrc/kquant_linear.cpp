@@ -68,13 +68,12 @@ struct Q8K {
   const int16_t* bsums;  // [M, K / 16]: sums of every 16 q
 };
 
-// Full groups of 8 activation rows interleaved per super-block for kquant_tile.h: values in
-// lane order, on the VNNI path [G][nb][8 vectors][8 rows][32] (the 8 rows' vector v side by
-// side, so that one 64-byte load holds two rows' vector), on the AVX2 path [G][nb][8 rows][256]
-// (its tile reads each row's vectors in turn; the VNNI order made it 0.7x as fast), dx [G][nb][8][8] (each row's dx 8 times, a vector of
-// lanes), and the format's per-row terms: Q4_K / Q5_K bx [G][nb][8][8], each sub-block's sum of
-// 32 values times dx (the same fp32 product rows_dot takes); Q6_K offset [G][nb][2][8][8], -32
-// times the sum of each of the 16 sub-blocks (half h: sub-blocks 8h..8h+7, row by row)
+// Full groups of 8 activation rows interleaved per super-block for kquant_tile.h: values in lane
+// order, on the VNNI path [G][nb][8 vectors][8 rows][32] (one 64-byte load holds two rows'
+// vector v), on the AVX2 path [G][nb][8 rows][256] (its tile reads each row's vectors in turn;
+// the VNNI order made it 0.7x as fast); dx [G][nb][8][8] (each row's dx 8 times); Q4_K / Q5_K
+// bx [G][nb][8][8], each sub-block's sum of 32 values times dx (the same fp32 product rows_dot
+// takes); Q6_K offset [G][nb][2][8][8], -32 times each sub-block's sum of 16 (half h: 8h..8h+7)
 struct Q8KTile {
   int64_t nb;
   const int8_t* q;

@@ -32,6 +32,9 @@ static inline __m512 bcast8(__m256 v) {  // (AVX512F's 64x4 forms: no AVX512DQ n
   const __m256d d = _mm256_castps_pd(v);
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(d), d, 1));
 }
+static inline __m256 high8(__m512 v) {  // the upper half
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
 
 // Q4_K / Q5_K: vector v's codes in both halves (q45_codes on 512 bits)
 template <int KIND>
@@ -140,7 +143,7 @@ static void tile_dot(const uint8_t* row, int64_t row_bytes, const Q8KTile& T, in
   for (int r = 0; r < NR; ++r)
     for (int p = 0; p < 4; ++p) {
       out[2 * p * ldo + r] = hsum8(_mm512_castps512_ps256(acc[r][p])) + bias[r];
-      out[(2 * p + 1) * ldo + r] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][p]), 1))) + bias[r];
+      out[(2 * p + 1) * ldo + r] = hsum8(high8(acc[r][p])) + bias[r];
     }
 }
 
