@@ -8,7 +8,8 @@ an independent reference) on random valid super-blocks:
   d_b / 2 = max|x in its 256| / 254, so |err| <= sum_b (d_b / 2) sum_{j in b} |w_j|; and W
   times the activations as the kernel quantized them, where only fp32 rounding remains
   (bounded here by 1e-5 of sum |w_j xq_j d_b|, measured ~5e-8);
-- the prefill tiles (8 rows and more) giving each row the bits it gets alone;
+- the prefill tiles (8 rows and more), and the AMX tiles (48 rows and more, where the CPU has
+  amx-int8), giving each row the bits it gets alone;
 - BlockQuantLinear's paths (the kernel, the widened tiles, torch) and its row lookup; a fused
   layer whose parts are of different formats (BlockConcat);
 - a tiny model whose linears are K-quant blocks: the same greedy tokens batched and alone,
@@ -102,11 +103,16 @@ def test_quantizer_makes_blocks_close_to_the_weights():
         assert np.abs(back - w).max() < 2 * np.abs(w).max() / levels, GGML_NAMES[kind]
 
 
-def test_activation_quantization_is_the_kernels():
-    ops = ops_for(ISAS[0])
+@pytest.mark.parametrize("isa", ISAS)
+def test_activation_quantization_is_the_kernels(isa):
+    """Every build's quantizer (AVX-512, AVX2 and plain loops) gives torch's values: the same
+    scales, the same round-half-to-even of the same fp32 products, the same sums of 16."""
+    ops = ops_for(isa)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 768, generator=gen) * 3
     x[1, :256] = 0  # an all-zero super-block: scale 0
+    x[2, :256] = torch.arange(256) * 0.5 - 64  # scale 127 / 64: +-32 give +-63.5, halfway
+    x[3, 256:512] = -torch.linspace(0, 1, 256)  # -0.0 and a negative maximum
     q, d, sums = ops.kquant_quantize_x(x)
     want_q, want_d = kquant.quantize_activations(x)
     assert torch.equal(q, want_q) and torch.equal(d, want_d)
@@ -163,15 +169,51 @@ def test_prefill_tiles_give_each_rows_bits(isa, kind):
     check_against_references(alone, x, gguf_dequantize(kind, raw), bias)
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=IDS)
+def test_amx_tiles_give_each_rows_bits(kind):
+    """Where the CPU has amx-int8, batches of 48 rows and more take AMX tiles (kquant_amx.h:
+    16 activation rows x 16 weight rows per tile, the fp32 steps in AVX-512) for their whole
+    tiles of 16 rows; each row's result must be the bits it gives alone and the bits of the
+    same batch without AMX, the rows after the last tile (67 = 4 x 16 + 3) and a partial weight
+    tile (300 = 18 x 16 + 12 rows, across chunks of 64) included, with and without a bias."""
+    ops = ops_for("avx512") if "avx512" in ISAS else None
+    if ops is None or not ops.kquant_has_amx():
+        pytest.skip("this CPU (or kernel) does not give octavo amx-int8")
+    rng = np.random.default_rng(30 + kind)
+    gen = torch.Generator().manual_seed(30 + kind)
+    n, k, m = 300, 1280, 67
+    raw = random_blocks(kind, n, k, rng)
+    q = kquant.repack(kind, torch.from_numpy(raw))
+    x = torch.randn(m, k, generator=gen)
+    x[3] = 0.0
+    x[9, 17] = 1e4
+    x[40:50] *= 1e-3
+    for bias in (torch.randn(n, generator=gen), None):
+        alone = torch.cat([ops.kquant_linear(x[i:i + 1], kind, q, bias) for i in range(m)])
+        assert ops.kquant_set_amx(True) is True  # on by default
+        with_amx = ops.kquant_linear(x, kind, q, bias)
+        assert ops.kquant_set_amx(False) is True
+        try:
+            assert ops.kquant_kernel() == "avx512_vnni"
+            without = ops.kquant_linear(x, kind, q, bias)
+        finally:
+            assert ops.kquant_set_amx(True) is False
+        assert ops.kquant_kernel() == "avx512_vnni+amx_int8"
+        assert torch.equal(with_amx, alone) and torch.equal(without, alone)
+        check_against_references(alone, x, gguf_dequantize(kind, raw), bias)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_kernel_on_extreme_values(isa):
     """Every code at its extreme with the largest scales and full-range activations: the
-    integer sums must neither saturate (vpmaddubsw's int16 pairs) nor overflow."""
+    integer sums must neither saturate (vpmaddubsw's int16 pairs) nor overflow; 48 rows take
+    the AMX tiles where the CPU has them."""
     ops = ops_for(isa)
     k = 512
     x = torch.full((3, k), 100.0)
     x[1] = -100.0
     x[1, ::3] = 100.0
+    x = x.repeat(16, 1)
     for kind in KINDS:
         raw = np.full((4, k // 256 * kquant.FILE_BYTES[kind]), 255, np.uint8)
         raw[1::2] = np.where(np.arange(raw.shape[1]) % 2, 0, 255).astype(np.uint8)

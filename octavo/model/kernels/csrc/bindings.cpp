@@ -60,6 +60,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "K-quant super-blocks from the file's layout to kquant_linear's", py::arg("kind"),
         py::arg("raw"));
   m.def("kquant_kernel", &kquant_kernel, "kquant_linear's path on this build and CPU");
+  m.def("kquant_has_amx", &kquant_has_amx, "whether kquant_linear can take AMX tiles here");
+  m.def("kquant_set_amx", &kquant_set_amx,
+        "let kquant_linear take AMX tiles (the default) or not; returns the previous setting",
+        py::arg("enabled"));
   m.def("int8_gemv", &int8_gemv, "exact int32 xq . wq^T for a few rows (W8A8 decode)",
         py::arg("xq"), py::arg("wq"));
   m.def("int8_mm", &int8_mm, "exact int32 xq . wq^T: int8_gemv for a few rows, else oneDNN",

@@ -14,8 +14,10 @@
 //     128 bytes of nibbles.
 //   Q6_K, 210 bytes: 128 bytes ql (low nibbles), 64 bytes qh (2 high bits), 16 int8 scales (one
 //     per 16 weights), d fp16; w = d * scale_s * (q - 32).
-// Paths (chosen at run time): in the AVX-512 build, AVX512-VNNI where the CPU has avx512_vnni;
-// AVX2 (vpmaddubsw + vpmaddwd; also the AVX-512 build's path without VNNI); portable C++.
+// Paths (chosen at run time): in the AVX-512 build, AVX512-VNNI where the CPU has avx512_vnni,
+// and from kAmxMinRows rows on, AMX tiles for whole tiles of 16 rows where it has amx-int8
+// (kquant_amx.h); AVX2 (vpmaddubsw + vpmaddwd; also the AVX-512 build's path without VNNI);
+// portable C++ (kquant_portable.h). Activations: kquant_q8k.h.
 // Batch sizes: up to 7 rows (decode), each weight row against up to 8 activation rows
 // (kquant_simd.h's rows_dot); from 8 rows on (prefill), whole groups of 8 rows go through
 // kquant_tile.h's tiles, whose rows are interleaved per super-block, with the weights taken in
@@ -24,10 +26,14 @@
 // and each weight rounds once, so the operation order cannot change a bit).
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -60,135 +66,8 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// activations quantized per 256: x ~ q * d
-struct Q8K {
-  int64_t K, nb;         // per row: values, super-blocks
-  const int8_t* q;       // [M, K], each super-block in lane order on the SIMD paths
-  const float* d;        // [M, nb]
-  const int16_t* bsums;  // [M, K / 16]: sums of every 16 q
-};
-
-// Full groups of 8 activation rows interleaved per super-block for kquant_tile.h: values in lane
-// order, on the VNNI path [G][nb][8 vectors][8 rows][32] (one 64-byte load holds two rows'
-// vector v), on the AVX2 path [G][nb][8 rows][256] (its tile reads each row's vectors in turn;
-// the VNNI order made it 0.7x as fast); dx [G][nb][8][8] (each row's dx 8 times); Q4_K / Q5_K
-// bx [G][nb][8][8], each sub-block's sum of 32 values times dx (the same fp32 product rows_dot
-// takes); Q6_K offset [G][nb][2][8][8], -32 times each sub-block's sum of 16 (half h: 8h..8h+7)
-struct Q8KTile {
-  int64_t nb;
-  const int8_t* q;
-  const float* d;
-  const float* bx;
-  const int32_t* offset;
-};
-
-using kquant::lane_weight;
-
-// one row quantized per 256; lanes: each super-block's values in the lane order of that kind
-// (kquant_codes.h; the sums of 16 stay in weight order), or 0 for weight order
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums, int lanes) {
-  for (int64_t b = 0; b < K / 256; ++b) {
-    const float* xb = x + b * 256;
-    float amax = 0.f;
-    for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int j = 0; j < 256; ++j)
-      q[b * 256 + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-    for (int g = 0; g < 16; ++g) {
-      int sum = 0;
-      for (int j = 0; j < 16; ++j) sum += q[b * 256 + g * 16 + j];
-      bsums[b * 16 + g] = static_cast<int16_t>(sum);
-    }
-    d[b] = amax / 127.f;
-    if (lanes) {
-      int8_t w[256];
-      std::memcpy(w, q + b * 256, 256);
-      for (int p = 0; p < 256; p += 4) std::memcpy(q + b * 256 + p, w + lane_weight(lanes, p), 4);
-    }
-  }
-}
-
-// ---- one super-block's codes and scales (portable dot, dequantization) ----------------------
-
-// q: the 256 codes in lane order (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, before Q6_K's -32);
-// sc: the scale per 32 (Q4_K/Q5_K, 8) or per 16 (Q6_K, 16); mn: the mins per 32 (Q4_K/Q5_K)
-template <int KIND>
-inline void unpack_lanes(const uint8_t* blk, uint8_t* q, int* sc, int* mn) {
-  if (KIND == kQ6K) {
-    kquant::unpack_codes<KIND>(blk, q);
-    for (int s = 0; s < 16; ++s) sc[s] = static_cast<int8_t>(blk[192 + s]);
-    return;
-  }
-  for (int s = 0; s < 8; ++s) sc[s] = blk[4 + s], mn[s] = blk[12 + s];
-  kquant::unpack_codes<KIND>(blk + 20, q);
-}
-
-// the codes in weight order
-template <int KIND>
-inline void unpack_block(const uint8_t* blk, uint8_t* q, int* sc, int* mn) {
-  alignas(64) uint8_t lanes[256];
-  unpack_lanes<KIND>(blk, lanes, sc, mn);
-  for (int p = 0; p < 256; ++p) q[lane_weight(KIND, p)] = lanes[p];
-}
-
-template <int KIND>
-void dequantize_block(const uint8_t* blk, float* out) {
-  alignas(64) uint8_t q[256];
-  int sc[16], mn[8];
-  unpack_block<KIND>(blk, q, sc, mn);
-  if (KIND == kQ6K) {
-    const float d = half_to_float(blk + 208);
-    for (int s = 0; s < 16; ++s) {
-      const float ds = d * static_cast<float>(sc[s]);
-      for (int l = 0; l < 16; ++l)
-        out[16 * s + l] = ds * static_cast<float>(static_cast<int>(q[16 * s + l]) - 32);
-    }
-    return;
-  }
-  const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-  for (int s = 0; s < 8; ++s) {
-    const float ds = d * static_cast<float>(sc[s]), dm = dmin * static_cast<float>(mn[s]);
-    for (int l = 0; l < 32; ++l) out[32 * s + l] = ds * static_cast<float>(q[32 * s + l]) - dm;
-  }
-}
-
-// portable: the same integer sums in plain loops, each super-block unpacked once for up to 16
-// activation rows m0..m1-1
-template <int KIND>
-void rows_dot_portable(const uint8_t* row, const Q8K& X, int64_t m0, int64_t m1, float* out,
-                       int64_t ldo, float bias) {
-  alignas(64) uint8_t q[256];
-  int sc[16], mn[8];
-  float acc[16] = {};
-  const int per = KIND == kQ6K ? 16 : 32;
-  for (int64_t b = 0; b < X.nb; ++b) {
-    const uint8_t* blk = row + b * kBytes[KIND];
-    unpack_block<KIND>(blk, q, sc, mn);
-    const float d = half_to_float(blk + (KIND == kQ6K ? 208 : 0));
-    const float dmin = KIND == kQ6K ? 0.f : half_to_float(blk + 2);
-    for (int64_t m = m0; m < m1; ++m) {
-      const int8_t* xq = X.q + m * X.K + b * 256;
-      const int16_t* bs = X.bsums + m * (X.K / 16) + b * 16;
-      const float dx = X.d[m * X.nb + b];
-      int32_t sumi = 0;
-      for (int s = 0; s < 256 / per; ++s) {
-        int32_t dot = 0;
-        for (int l = 0; l < per; ++l) dot += q[s * per + l] * xq[s * per + l];
-        if (KIND == kQ6K) dot -= 32 * bs[s];
-        sumi += sc[s] * dot;
-      }
-      float& a = acc[m - m0];
-      if (KIND == kQ6K) {
-        a += d * dx * static_cast<float>(sumi);
-      } else {
-        int32_t summ = 0;
-        for (int s = 0; s < 8; ++s) summ += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
-        a += d * dx * static_cast<float>(sumi) - dmin * dx * static_cast<float>(summ);
-      }
-    }
-  }
-  for (int64_t m = m0; m < m1; ++m) out[m * ldo] = acc[m - m0] + bias;
-}
+#include "kquant_q8k.h"
+#include "kquant_portable.h"
 
 }  // namespace
 
@@ -211,6 +90,7 @@ namespace {
 namespace {
 #include "kquant_simd.h"
 #include "kquant_tile.h"
+#include "kquant_amx.h"
 }
 #undef KQ_NS
 #undef KQ_VNNI
@@ -231,6 +111,29 @@ Path kernel_path() {
 #else
   return Path::kPortable;
 #endif
+}
+
+// whether this CPU has amx-int8 and Linux lets this process use the tile registers
+bool cpu_has_amx_int8() {
+#if defined(__AVX512F__)
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-int8")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // arch_prctl, asm/prctl.h
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+std::atomic<bool> amx_enabled{true};  // kquant_set_amx: the benchmarks' and tests' A/B
+// from this many activation rows on, whole tiles of 16 take AMX (kquant_amx.h)
+constexpr int64_t kAmxMinRows = 48;
+
+// activation rows the AMX tiles take: whole tiles of 16, where the path and CPU run them
+int64_t amx_rows(Path path, int64_t M) {
+  if (path != Path::kVnni || M < kAmxMinRows || !amx_enabled.load() || !cpu_has_amx_int8()) return 0;
+  return M / 16 * 16;
 }
 
 // activation rows a thread takes at once where they are not grouped in tiles: their int8 rows
@@ -373,16 +276,21 @@ int64_t check_kquant(int64_t kind, const at::Tensor& q) {
 
 std::string kquant_kernel() {
   switch (kernel_path()) {
-    case Path::kVnni: return "avx512_vnni";
+    case Path::kVnni: return amx_rows(Path::kVnni, kAmxMinRows) ? "avx512_vnni+amx_int8" : "avx512_vnni";
     case Path::kAvx2: return "avx2";
     default: return "portable";
   }
 }
 
+bool kquant_has_amx() { return kernel_path() == Path::kVnni && cpu_has_amx_int8(); }
+
+bool kquant_set_amx(bool enabled) { return amx_enabled.exchange(enabled); }
+
 namespace {
 
-// x [M, K] quantized per 256 (quantize_row; lanes as there)
-std::vector<at::Tensor> quantize_x(const at::Tensor& x, int lanes) {
+// x [M, K] quantized per 256 (quantize_row; lanes as there, rows before weight_rows in weight
+// order)
+std::vector<at::Tensor> quantize_x(const at::Tensor& x, int lanes, int64_t weight_rows = 0) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 256 == 0, "x must be [M, K] with K a multiple of 256");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1);
@@ -393,7 +301,7 @@ std::vector<at::Tensor> quantize_x(const at::Tensor& x, int lanes) {
     for (int64_t m = begin; m < end; ++m)
       quantize_row(xf.data_ptr<float>() + m * K, K, q.data_ptr<int8_t>() + m * K,
                    d.data_ptr<float>() + m * (K / 256), bsums.data_ptr<int16_t>() + m * (K / 16),
-                   lanes);
+                   m < weight_rows ? 0 : lanes);
   });
   return {q, d, bsums};
 }
@@ -412,16 +320,41 @@ at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
     TORCH_CHECK(b.numel() == N, "bias must be [N]");
   }
   const Path path = kernel_path();
-  // the SIMD kernels take the activations in lane order, the portable loops in weight order
-  const auto xq = quantize_x(x, path == Path::kPortable ? 0 : static_cast<int>(kind));
-  const int64_t M = x.size(0);
-  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const Q8K X{K, K / 256, xq[0].data_ptr<int8_t>(), xq[1].data_ptr<float>(),
-              xq[2].data_ptr<int16_t>()};
+  const int64_t MA = amx_rows(path, x.size(0));
+  // the SIMD kernels take the activations in lane order, the portable loops and the AMX tiles
+  // (the first MA rows) in weight order
+  const auto xq = quantize_x(x, path == Path::kPortable ? 0 : static_cast<int>(kind), MA);
+  auto out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  Q8K X{K, K / 256, xq[0].data_ptr<int8_t>(), xq[1].data_ptr<float>(),
+        xq[2].data_ptr<int16_t>()};
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const int64_t row_bytes = q.size(1);
   float* op = out.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#if defined(__AVX512F__)
+  if (MA > 0) {
+    const int64_t nb = X.nb;
+    at::Tensor bx;
+    if (kind != kQ6K) {  // each sub-block's sum of 32 times dx, as the tiles' bx
+      bx = at::empty({MA * nb * 8}, xq[1].options());
+      float* bxp = bx.data_ptr<float>();
+      for (int64_t i = 0; i < MA * nb; ++i)
+        for (int64_t j = 0; j < 8; ++j)
+          bxp[i * 8 + j] = static_cast<float>(X.bsums[i * 16 + 2 * j] + X.bsums[i * 16 + 2 * j + 1]) * X.d[i];
+    }
+    const kq_vnni::AmxRows A{X.q, K, nb, X.d, bx.defined() ? bx.data_ptr<float>() : nullptr};
+    constexpr int64_t chunk = 16 * kq_vnni::kAmxTilesPerChunk;
+    at::parallel_for(0, (N + chunk - 1) / chunk, 1, [&](int64_t c0, int64_t c1) {
+      with_kind(kind, [&](auto k) {
+        kq_vnni::amx_rows<decltype(k)::value>(qp, row_bytes, A, MA, op, N, c0 * chunk,
+                                              std::min(N, c1 * chunk), bp);
+      });
+    });
+    // the rows left (fewer than 16) take the paths below
+    X.q += MA * K, X.d += MA * nb, X.bsums += MA * (K / 16), op += MA * N;
+  }
+#endif
+  const int64_t M = x.size(0) - MA;
   at::Tensor tq, td, tt;
   Q8KTile tile{};
   const int64_t groups = path == Path::kPortable ? 0 : M / 8;

@@ -134,5 +134,10 @@ std::vector<at::Tensor> kquant_quantize_x(at::Tensor x);
 // a K-quant weight's file super-blocks [N, K / 256 * 144 / 176 / 210] -> the in-memory layout
 // kquant_linear takes (kquant_repack.cpp; kquant.py's repack)
 at::Tensor kquant_repack(int64_t kind, at::Tensor raw);
-// which of kquant_linear's paths runs here: "avx512_vnni", "avx2" or "portable"
+// which of kquant_linear's paths runs here: "avx512_vnni" (with "+amx_int8" where prefill-sized
+// batches take AMX tiles), "avx2" or "portable"
 std::string kquant_kernel();
+// whether kquant_linear can take AMX tiles here; let it (the default) or not, returning the
+// previous setting (the tests' and benchmarks' A/B)
+bool kquant_has_amx();
+bool kquant_set_amx(bool enabled);
