@@ -14,6 +14,11 @@ cache group: one, or one per window pattern of a sliding-window model).
 
     PYTHONPATH=. python scripts/gguf_vs_llama_cpp.py qwen2.5-coder-1.5b \
         --llama-bin /path/to/llama.cpp/build/bin --threads 1 2 --out docs/bench
+
+--llama-config gives llama.cpp several configurations, each extra arguments of llama-bench
+and, after a ';', of llama-server (e.g. '' '--repack 0;--no-repack': with and without its
+repacked weight layouts, whose speed depends on the CPU); each test is then compared with the
+fastest of them in each round, the resident set with the smallest.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -88,10 +94,10 @@ def octavo_speed(model: str, threads: int, prompt: int, gen: int, repeats: int) 
 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, prompt: int, gen: int,
-                repeats: int) -> dict:
+                repeats: int, extra: list[str]) -> dict:
     def run(*tests: str) -> list[dict]:
         out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), *tests, "-t",
-                              str(threads), "-r", str(repeats), "-o", "json"],
+                              str(threads), "-r", str(repeats), "-o", "json", *extra],
                              capture_output=True, text=True, check=True)
         return json.loads(out.stdout)
 
@@ -152,6 +158,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating rounds of llama-bench and octavo per thread count")
     parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--llama-config", nargs="+", default=[""],
+                        help="extra arguments of llama-bench[;of llama-server], one string per "
+                             "configuration (e.g. '' '--repack 0;--no-repack'): each runs in "
+                             "every round, and each test compares with the fastest of them")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -162,13 +172,22 @@ def main() -> int:
         else gguf_source(resolve_model_dir(args.model))
     result: dict = {"model": args.model, "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
                     "cpu": cpu_name(), "flags": cpu_flags(), "cores": os.cpu_count(),
-                    "load_avg_before": os.getloadavg(), "speed": []}
+                    "llama_configs": args.llama_config, "load_avg_before": os.getloadavg(),
+                    "speed": []}
     tests = ("pp", "tg", f"tg_d{args.prompt}")
+    configs = {cfg: shlex.split(cfg.partition(";")[0]) for cfg in args.llama_config}
+    server_args = {cfg: shlex.split(cfg.partition(";")[2]) for cfg in args.llama_config}
     for t in args.threads:
-        # the machine's load drifts: the two run in alternating rounds, medians over rounds
-        lls, ocs = [], []
+        # the machine's load drifts: the two run in alternating rounds, medians over rounds;
+        # in each round llama.cpp's value of a test is its fastest configuration's
+        lls, ocs, per_cfg = [], [], {cfg: [] for cfg in configs}
         for _ in range(args.rounds):
-            lls.append(llama_bench(args.llama_bin, gguf, t, args.prompt, args.gen, args.repeats))
+            for cfg, extra in configs.items():
+                per_cfg[cfg].append(llama_bench(args.llama_bin, gguf, t, args.prompt, args.gen,
+                                                args.repeats, extra))
+            lls.append({key: max(per_cfg[cfg][-1][key] for cfg in configs)
+                        for key in per_cfg[args.llama_config[0]][-1] if key.endswith("_tok_s")})
+            lls[-1]["build"] = per_cfg[args.llama_config[0]][-1]["build"]
             ocs.append(octavo_speed(args.model, t, args.prompt, args.gen, args.repeats))
         ll, oc = dict(lls[0]), dict(ocs[0])
         row: dict = {"threads": t, "octavo": oc, "llama.cpp": ll}
@@ -179,6 +198,9 @@ def main() -> int:
             row[f"{test}_ratio"] = oc[key] / ll[key]
             row[f"{test}_rounds"] = {"octavo": [r[key] for r in ocs],
                                      "llama.cpp": [r[key] for r in lls]}
+            if len(configs) > 1:
+                row[f"{test}_rounds"]["llama.cpp_by_config"] = {
+                    cfg: [r[key] for r in rs] for cfg, rs in per_cfg.items()}
         result["speed"].append(row)
         print(json.dumps(row, default=str), flush=True)
     if not args.skip_memory:
@@ -192,12 +214,19 @@ def main() -> int:
                               "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
                               str(args.ctx), "--num-kv-blocks", str(args.ctx // 16 * groups),
                               "--max-num-seqs", "1"], port)
-        port = free_port()
-        ll = rss_after_start([str(args.llama_bin / "llama-server"), "-m", str(gguf), "--host",
-                              "127.0.0.1", "--port", str(port), "-c", str(args.ctx), "-np", "1",
-                              "-t", str(args.threads[-1])], port)
+        # llama-server in each configuration; the ratio is against the smallest
+        by_cfg = {}
+        for cfg, extra in server_args.items():
+            port = free_port()
+            by_cfg[cfg] = rss_after_start(
+                [str(args.llama_bin / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
+                 "--port", str(port), "-c", str(args.ctx), "-np", "1", "-t",
+                 str(args.threads[-1]), *extra], port)
+        ll = min(by_cfg.values(), key=lambda r: r["VmRSS_MiB"])
         result["memory"] = {"octavo": oc, "llama-server": ll,
                             "rss_ratio": oc["VmRSS_MiB"] / ll["VmRSS_MiB"]}
+        if len(configs) > 1:
+            result["memory"]["llama-server_by_config"] = by_cfg
         print(json.dumps(result["memory"]), flush=True)
     result["load_avg_after"] = os.getloadavg()
     if args.out:

@@ -30,6 +30,7 @@ from octavo.engine.scheduler import Scheduler
 from octavo.engine.structured_output import StructuredOutputs
 from octavo.engine_args import EngineArgs
 from octavo.gc_heap import freeze_gc_heap
+from octavo.malloc_heap import keep_freed_memory
 from octavo.model.sources import resolve_model_dir
 from octavo.outputs import RequestOutput, RequestProgress
 from octavo.paging.block_hash import BlockHasher
@@ -89,6 +90,7 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens the last step computed (prefill and decode)
         self._kv_mapper: KVMapper | None = None  # made on the first kv_map() call
         freeze_gc_heap()  # start-up's objects: no full collection walks them (gc_heap.py)
+        keep_freed_memory()  # steps' tensors reuse freed pages, not new ones (malloc_heap.py)
 
     @property
     def eos_token_id(self) -> int | None:

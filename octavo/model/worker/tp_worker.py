@@ -20,6 +20,7 @@ import octavo.envs as envs
 from octavo.config import ModelConfig
 from octavo.engine_args import EngineArgs
 from octavo.gc_heap import freeze_gc_heap
+from octavo.malloc_heap import keep_freed_memory
 from octavo.model.parallel.shm_comm import ShmComm, shm_usable
 from octavo.model.parallel.tensor_parallel import TPGroup
 from octavo.model.worker.cache_sizing import KVBlockCounts
@@ -132,6 +133,7 @@ class Worker:
         self.runner.init_kv_cache(num_blocks, num_host_blocks)
         # start-up is over: a full collection in one rank would stall the whole group
         freeze_gc_heap()
+        keep_freed_memory()  # steps' tensors reuse freed pages (malloc_heap.py)
         assert self.runner.kv_cache is not None
         return self.runner.kv_cache.block_nbytes
 
