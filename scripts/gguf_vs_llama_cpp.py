@@ -57,7 +57,8 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def octavo_speed(model: str, threads: int, prompt: int, gen: int, repeats: int) -> dict:
+def octavo_speed(model: str, threads: int, prompt: int, gen: int, repeats: int,
+                 pp_only: bool = False) -> dict:
     import torch
 
     from octavo import LLM, SamplingParams
@@ -79,30 +80,37 @@ def octavo_speed(model: str, threads: int, prompt: int, gen: int, repeats: int) 
         ids = [rng.randrange(100, min(vocab, 30000)) for _ in range(prompt)]
         # tg: from an empty context, as llama-bench's tg runs: a one-token prompt's step and
         # the gen - 1 decode steps after it, gen model calls of one token each
-        start_s = timed(ids[:1], full)
+        start_s = None if pp_only else timed(ids[:1], full)
         prefill_s = timed(ids, one)
-        total_s = timed(ids, full)
+        total_s = None if pp_only else timed(ids, full)
         if rep:
             pp.append(prompt / prefill_s)
-            tg.append(gen / start_s)
-            tg_deep.append((gen - 1) / (total_s - prefill_s))
+            if start_s is not None and total_s is not None:
+                tg.append(gen / start_s)
+                tg_deep.append((gen - 1) / (total_s - prefill_s))
     path = llm.engine.runner.kernel_path()
     stats = llm.stats()
-    return {"pp_tok_s": statistics.median(pp), "tg_tok_s": statistics.median(tg),
-            f"tg_d{prompt}_tok_s": statistics.median(tg_deep),
-            "weights_bytes": stats.get("weights_bytes"), "kernel_path": path}
+    out = {"pp_tok_s": statistics.median(pp), "weights_bytes": stats.get("weights_bytes"),
+           "kernel_path": path}
+    if not pp_only:
+        out |= {"tg_tok_s": statistics.median(tg),
+                f"tg_d{prompt}_tok_s": statistics.median(tg_deep)}
+    return out
 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, prompt: int, gen: int,
-                repeats: int, extra: list[str]) -> dict:
+                repeats: int, extra: list[str], pp_only: bool = False) -> dict:
     def run(*tests: str) -> list[dict]:
         out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), *tests, "-t",
                               str(threads), "-r", str(repeats), "-o", "json", *extra],
                              capture_output=True, text=True, check=True)
         return json.loads(out.stdout)
 
-    rows = run("-p", str(prompt), "-n", str(gen))
+    rows = run("-p", str(prompt), "-n", "0" if pp_only else str(gen))
     pp = next(r for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
+    if pp_only:
+        return {"pp_tok_s": pp["avg_ts"],
+                "build": f"{rows[0].get('build_commit', '?')} ({rows[0].get('build_number', '?')})"}
     tg = next(r for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)
     # tg at depth: the same generation after a `prompt`-token context (llama-bench's -d)
     tg_deep = next(r for r in run("-p", "0", "-n", str(gen), "-d", str(prompt))
@@ -162,6 +170,8 @@ def main() -> int:
                         help="extra arguments of llama-bench[;of llama-server], one string per "
                              "configuration (e.g. '' '--repack 0;--no-repack'): each runs in "
                              "every round, and each test compares with the fastest of them")
+    parser.add_argument("--pp-only", action="store_true",
+                        help="prompt processing only (no tg tests, no memory)")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -174,7 +184,7 @@ def main() -> int:
                     "cpu": cpu_name(), "flags": cpu_flags(), "cores": os.cpu_count(),
                     "llama_configs": args.llama_config, "load_avg_before": os.getloadavg(),
                     "speed": []}
-    tests = ("pp", "tg", f"tg_d{args.prompt}")
+    tests = ("pp",) if args.pp_only else ("pp", "tg", f"tg_d{args.prompt}")
     configs = {cfg: shlex.split(cfg.partition(";")[0]) for cfg in args.llama_config}
     server_args = {cfg: shlex.split(cfg.partition(";")[2]) for cfg in args.llama_config}
     for t in args.threads:
@@ -184,11 +194,12 @@ def main() -> int:
         for _ in range(args.rounds):
             for cfg, extra in configs.items():
                 per_cfg[cfg].append(llama_bench(args.llama_bin, gguf, t, args.prompt, args.gen,
-                                                args.repeats, extra))
+                                                args.repeats, extra, args.pp_only))
             lls.append({key: max(per_cfg[cfg][-1][key] for cfg in configs)
                         for key in per_cfg[args.llama_config[0]][-1] if key.endswith("_tok_s")})
             lls[-1]["build"] = per_cfg[args.llama_config[0]][-1]["build"]
-            ocs.append(octavo_speed(args.model, t, args.prompt, args.gen, args.repeats))
+            ocs.append(octavo_speed(args.model, t, args.prompt, args.gen, args.repeats,
+                                    args.pp_only))
         ll, oc = dict(lls[0]), dict(ocs[0])
         row: dict = {"threads": t, "octavo": oc, "llama.cpp": ll}
         for test in tests:
@@ -203,7 +214,7 @@ def main() -> int:
                     cfg: [r[key] for r in rs] for cfg, rs in per_cfg.items()}
         result["speed"].append(row)
         print(json.dumps(row, default=str), flush=True)
-    if not args.skip_memory:
+    if not (args.skip_memory or args.pp_only):
         from octavo.config import ModelConfig
 
         # the engine gives every KV cache group (a sliding-window model has several) a block
@@ -232,7 +243,7 @@ def main() -> int:
     if args.out:
         name = Path(str(args.model)).name.removesuffix(".gguf")
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"gguf-vs-llamacpp-{name}.json").write_text(
+        (args.out / f"gguf-vs-llamacpp-{name}{'-pp' if args.pp_only else ''}.json").write_text(
             json.dumps(result, indent=2, default=str))
     return 0
 
