@@ -2,7 +2,7 @@
 TYPE_CHECKING alike) goes along an allowed edge between layers, and no modules import each other
 in a cycle.
 
-    neutral (sampling_params, outputs, step_plan, config, engine_args, gc_heap)
+    neutral (sampling_params, outputs, step_plan, config, engine_args, gc_heap, malloc_heap)
     paging <- engine <- llm <- {chat, server <- bench} <- cli;   model <- engine
     {server, paging, model} <- router <- {bench, cli}   (the data-parallel router)
     model <- cli   (`octavo pull` and `octavo models`: the installed models, no engine)
@@ -25,7 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "octavo"
 
 NEUTRAL = {"octavo.sampling_params", "octavo.outputs", "octavo.step_plan", "octavo.config",
-           "octavo.engine_args", "octavo.gc_heap", "octavo.envs", "octavo.options"}
+           "octavo.engine_args", "octavo.gc_heap", "octavo.malloc_heap", "octavo.envs",
+           "octavo.options"}
 # layer -> the layers it may import (its own included)
 ALLOWED = {
     "neutral": {"neutral"},
