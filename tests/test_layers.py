@@ -243,7 +243,7 @@ def test_the_sampler_never_sees_sampling_params_or_requests(graph):
 
 def test_paging_and_neutral_modules_need_no_third_party_package():
     stdlib_only = [m for m in MODULES if layer_of(m) in ("paging", "neutral")]
-    allowed = {"__future__", "argparse", "array", "atexit", "bisect", "collections",
+    allowed = {"__future__", "argparse", "array", "atexit", "bisect", "collections", "ctypes",
                "concurrent", "contextlib", "copy", "dataclasses", "difflib", "enum", "errno",
                "gc", "hashlib", "os", "itertools", "json", "logging", "math", "operator",
                "pathlib", "queue", "re", "struct", "threading", "time", "types", "typing",

@@ -8,8 +8,8 @@
 // The result is rows_dot<KIND, 1, 1>'s bit for bit: the sums are the same integers (exact in
 // any order; Q6_K's codes enter as q - 32, so a sum holds the -32 * bsum_s offset rows_dot adds
 // as an integer too), each (activation row, weight row) keeps the 8 fp32 lanes rows_dot keeps
-// (lane j here is vector j of acc, over 16 weight rows), takes the same multiplies and fmadds on
-// the same operands in super-block order, and hsum8's tree of adds. So a row gives the same
+// (lane j here is a vector over 16 weight rows), takes the same multiplies and fmadds on the
+// same operands in super-block order, and hsum8's tree of adds. So a row gives the same
 // bits whatever batch or path computes it (tests/model/quant/test_kquant.py checks the bits).
 //
 // Included by kquant_linear.cpp into kq_vnni after kquant_simd.h (q45_codes, q6_codes, load32).
@@ -23,7 +23,8 @@ template <int KIND>
 constexpr int kAmxSubLen = 256 / kAmxSubs<KIND>;
 // a weight tile's bytes per super-block (B tiles of every sub-block), in every format
 constexpr int64_t kAmxTileBytes = 4096;
-// weight tiles of 16 rows a chunk takes (one C tile each): each A tile load serves all four
+// weight tiles of 16 rows a chunk unpacks at once: their codes (64 rows x K bytes) stay in L2
+// while every tile of activation rows passes them
 constexpr int kAmxTilesPerChunk = 4;
 
 struct AmxConfig {
@@ -150,9 +151,9 @@ struct AmxRows {
   const float* bx;  // [M][nb][8], Q4_K / Q5_K
 };
 
-// one step's products (P: which set of tile registers) and its sums' store: activation rows
-// at a (16 rows, stride lda) against weight tiles b0 and b0 + 1 (b1 null: one tile)
-// (GCC's tile intrinsics paste their register numbers into the instruction: literals only)
+// one step's product (P: which set of tile registers) and its sums' store: the activation rows
+// at a (16 rows, stride lda) against the weight tile at b (GCC's tile intrinsics paste their
+// register numbers into the instruction: literals only)
 #define KQ_AMX_STEP(P, C, A, B)                                                              \
   __attribute__((target("amx-tile,amx-int8"))) static inline void amx_dot##P(                \
       const int8_t* a, int64_t lda, const int8_t* b) {                                       \
@@ -222,7 +223,8 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_chunk(
             for (int m = 0; m < 16; ++m) {
               const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[m])),
                                              _mm512_set1_ps(dxb[m * nb]));
-              acc[m] = _mm512_fmadd_ps(sc, v, _mm512_fmadd_ps(mn, _mm512_set1_ps(bxb[m * nb * 8]), acc[m]));
+              const __m512 a = _mm512_fmadd_ps(mn, _mm512_set1_ps(bxb[m * nb * 8]), acc[m]);
+              acc[m] = _mm512_fmadd_ps(sc, v, a);
             }
           }
         }
@@ -253,9 +255,12 @@ static void amx_rows(const uint8_t* q, int64_t row_bytes, const AmxRows& X, int6
   std::vector<int8_t> Bv(kAmxTilesPerChunk * nb * kAmxTileBytes + 64);
   std::vector<float> Sv(kAmxTilesPerChunk * nb * kAmxSubs<KIND> * 16 + 16);
   std::vector<float> Mv(kAmxTilesPerChunk * nb * 8 * 16 + 16);
-  int8_t* B = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(Bv.data()) + 63) & ~uintptr_t{63});
-  float* S = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(Sv.data()) + 63) & ~uintptr_t{63});
-  float* MN = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(Mv.data()) + 63) & ~uintptr_t{63});
+  auto aligned = [](auto* p) {  // to 64 bytes (the vectors leave room)
+    return reinterpret_cast<decltype(p)>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+  };
+  int8_t* B = aligned(Bv.data());
+  float* S = aligned(Sv.data());
+  float* MN = aligned(Mv.data());
   amx_configure<KIND>();
   for (int64_t c = n0; c < n1; c += chunk) {
     const int64_t rows = std::min(chunk, n1 - c);

@@ -132,7 +132,8 @@ constexpr int64_t kAmxMinRows = 48;
 
 // activation rows the AMX tiles take: whole tiles of 16, where the path and CPU run them
 int64_t amx_rows(Path path, int64_t M) {
-  if (path != Path::kVnni || M < kAmxMinRows || !amx_enabled.load() || !cpu_has_amx_int8()) return 0;
+  if (path != Path::kVnni || M < kAmxMinRows || !amx_enabled.load() || !cpu_has_amx_int8())
+    return 0;
   return M / 16 * 16;
 }
 
@@ -340,7 +341,8 @@ at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
       float* bxp = bx.data_ptr<float>();
       for (int64_t i = 0; i < MA * nb; ++i)
         for (int64_t j = 0; j < 8; ++j)
-          bxp[i * 8 + j] = static_cast<float>(X.bsums[i * 16 + 2 * j] + X.bsums[i * 16 + 2 * j + 1]) * X.d[i];
+          bxp[i * 8 + j] =
+              static_cast<float>(X.bsums[i * 16 + 2 * j] + X.bsums[i * 16 + 2 * j + 1]) * X.d[i];
     }
     const kq_vnni::AmxRows A{X.q, K, nb, X.d, bx.defined() ? bx.data_ptr<float>() : nullptr};
     constexpr int64_t chunk = 16 * kq_vnni::kAmxTilesPerChunk;

@@ -37,18 +37,21 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums
     const float* xb = x + b * 256;
 #if defined(__AVX512F__)
     __m512 vmax = _mm512_setzero_ps();
-    for (int j = 0; j < 256; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + j)));
+    for (int j = 0; j < 256; j += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + j)));
     const float amax = _mm512_reduce_max_ps(vmax);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     for (int g = 0; g < 16; ++g) {
-      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * g), _mm512_set1_ps(inv)));
+      const __m512i v =
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * g), _mm512_set1_ps(inv)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 256 + 16 * g), _mm512_cvtepi32_epi8(v));
       bsums[b * 16 + g] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
     }
 #elif defined(__AVX2__)
     __m256 vmax = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.f);
-    for (int j = 0; j < 256; j += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
+    for (int j = 0; j < 256; j += 8)
+      vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
     alignas(32) float m8[8];
     _mm256_store_ps(m8, vmax);
     float amax = 0.f;
@@ -64,7 +67,8 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums
       const __m256i s8 = _mm256_add_epi32(lo, hi);
       const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
       const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-      bsums[b * 16 + g] = static_cast<int16_t>(_mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1))));
+      const __m128i s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1));
+      bsums[b * 16 + g] = static_cast<int16_t>(_mm_cvtsi128_si32(s1));
     }
 #else
     float amax = 0.f;
