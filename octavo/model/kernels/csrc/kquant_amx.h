@@ -27,27 +27,18 @@ constexpr int64_t kAmxTileBytes = 4096;
 // while every tile of activation rows passes them
 constexpr int kAmxTilesPerChunk = 4;
 
-struct AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tiles 0 and 1: int32 sums of 16 activation rows x 16 weight rows, in turn (a step's product
 // need not wait for the step before to have stored its sums); 2 and 3: A, 16 rows of a
 // sub-block's values, in turn; 4 and 5: B, a sub-block's codes of 16 weight rows, 4 per tile
 // row, in turn
 template <int KIND>
-__attribute__((target("amx-tile,amx-int8"))) static void amx_configure() {
-  AmxConfig c;
+static void amx_configure() {
+  amx::TileConfig c;
   for (int t = 0; t < 2; ++t) c.colsb[t] = 64, c.rows[t] = 16;
   for (int t = 2; t < 4; ++t) c.colsb[t] = kAmxSubLen<KIND>, c.rows[t] = 16;
   for (int t = 4; t < 6; ++t) c.colsb[t] = 64, c.rows[t] = kAmxSubLen<KIND> / 4;
-  // not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes (packed_gemv.cpp)
-  asm volatile("ldtilecfg %0" : : "m"(c) : "memory");
+  amx::load_config(c);
 }
-
-__attribute__((target("amx-tile"))) static void amx_release() { _tile_release(); }
 
 // GCC 12's tile loads and stores do not tell the compiler they touch memory: this orders the
 // plain stores and loads around them
@@ -252,15 +243,17 @@ static void amx_rows(const uint8_t* q, int64_t row_bytes, const AmxRows& X, int6
                      float* out, int64_t N, int64_t n0, int64_t n1, const float* bias) {
   constexpr int64_t chunk = 16 * kAmxTilesPerChunk;
   const int64_t nb = X.nb;
-  std::vector<int8_t> Bv(kAmxTilesPerChunk * nb * kAmxTileBytes + 64);
-  std::vector<float> Sv(kAmxTilesPerChunk * nb * kAmxSubs<KIND> * 16 + 16);
-  std::vector<float> Mv(kAmxTilesPerChunk * nb * 8 * 16 + 16);
-  auto aligned = [](auto* p) {  // to 64 bytes (the vectors leave room)
+  // the chunk's unpacked weights, written before they are read (not zeroed)
+  constexpr int64_t T = kAmxTilesPerChunk;
+  const auto Bv = std::make_unique_for_overwrite<int8_t[]>(T * nb * kAmxTileBytes + 64);
+  const auto Sv = std::make_unique_for_overwrite<float[]>(T * nb * kAmxSubs<KIND> * 16 + 16);
+  const auto Mv = std::make_unique_for_overwrite<float[]>(T * nb * 8 * 16 + 16);
+  auto aligned = [](auto* p) {  // to 64 bytes (the buffers leave room)
     return reinterpret_cast<decltype(p)>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
   };
-  int8_t* B = aligned(Bv.data());
-  float* S = aligned(Sv.data());
-  float* MN = aligned(Mv.data());
+  int8_t* B = aligned(Bv.get());
+  float* S = aligned(Sv.get());
+  float* MN = aligned(Mv.get());
   amx_configure<KIND>();
   for (int64_t c = n0; c < n1; c += chunk) {
     const int64_t rows = std::min(chunk, n1 - c);
@@ -268,7 +261,7 @@ static void amx_rows(const uint8_t* q, int64_t row_bytes, const AmxRows& X, int6
     amx_chunk<KIND>(X, 0, M16, B, S, MN, static_cast<int>((rows + 15) / 16), rows, out + c, N,
                     bias ? bias + c : nullptr);
   }
-  amx_release();
+  amx::release();
 }
 
 }  // namespace KQ_NS

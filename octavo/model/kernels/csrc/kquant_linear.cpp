@@ -26,19 +26,18 @@
 // and each weight rounds once, so the operation order cannot change a bit).
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
+#include "amx_tiles.h"
 #include "kquant_codes.h"
 #include "ops.h"
 
@@ -116,12 +115,7 @@ Path kernel_path() {
 // whether this CPU has amx-int8 and Linux lets this process use the tile registers
 bool cpu_has_amx_int8() {
 #if defined(__AVX512F__)
-  static const bool ok = [] {
-    if (!__builtin_cpu_supports("amx-int8")) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // arch_prctl, asm/prctl.h
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return ok;
+  return __builtin_cpu_supports("amx-int8") && amx::tiles_permitted();
 #else
   return false;
 #endif

@@ -19,14 +19,12 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "ops.h"
 #include "vec_traits.h"
 
@@ -170,40 +168,23 @@ __attribute__((target("avx512bf16"))) int64_t to_bf16_avx512(const float* s, at:
 // how many rows its step has. Measured on the embedded model's layers (Xeon with AMX, 1 thread,
 // BENCHMARKS.md section 8): 1.3x oneDNN at 1-4 rows, 1.1x at 16, 1.0x at 24-32, 0.6x at 64;
 // 0.94x bf16_item at 1 row, 1.4x at 8, 2.6x at 24.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // whether this CPU runs AMX bf16 and Linux lets this process use its tile registers
-bool cpu_has_amx() {
-  static const bool ok = [] {
-    if (!__builtin_cpu_supports("amx-bf16")) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // arch_prctl, asm/prctl.h
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return ok;
-}
+bool cpu_has_amx() { return __builtin_cpu_supports("amx-bf16") && amx::tiles_permitted(); }
 std::atomic<bool> amx_enabled{true};  // packed_gemv_set_amx: the benchmarks' and tests' A/B
 constexpr int64_t kAmxAhead = 32;            // pairs of K rows prefetched ahead
 
 // tiles 0-3: sums of the item's (up to) 4 x 16 outputs for `rows` rows of x; 4: those rows of
 // x; 5: weights (16 pairs of K rows); every tile row 64 bytes
-__attribute__((target("amx-tile,amx-bf16"))) void amx_configure(int rows) {
-  TileConfig cfg;
+void amx_configure(int rows) {
+  amx::TileConfig cfg;
   for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = t == 5 ? 16 : rows;
-  // not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes, and the stores above
-  // were dropped (a #GP on ldtilecfg)
-  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+  amx::load_config(cfg);
 }
-
-__attribute__((target("amx-tile,amx-bf16"))) void amx_release() { _tile_release(); }
 
 // a thread's tiles, configured for `rows` rows of x while it lives, released after
 struct AmxTiles {
   explicit AmxTiles(int rows) { amx_configure(rows); }
-  ~AmxTiles() { amx_release(); }
+  ~AmxTiles() { amx::release(); }
   AmxTiles(const AmxTiles&) = delete;
   AmxTiles& operator=(const AmxTiles&) = delete;
 };
