@@ -249,7 +249,8 @@ class BlockQuantLinear(nn.Module):
             out = F.linear(xin, self.dequantized_weight(), self.bias).to(x.dtype)
         elif self.fmt.kquant:
             out = self.ops.kquant_linear(x2.contiguous(), self.fmt.kind, self.q, self.bias)
-        elif x2.shape[0] <= SMALL_BATCH:
+        elif x2.shape[0] <= SMALL_BATCH or (self.fmt.int8_activations and self.fmt.group == BLOCK
+                                            and _int8_tiles(self.ops)):
             out = self.ops.block_linear(x2.contiguous(), self.fmt.kind, self.q, self.scale,
                                         self.mins, self.fmt.group, self.bias,
                                         self.fmt.int8_activations)
@@ -281,6 +282,18 @@ class BlockQuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{self.fmt.name} (group {self.fmt.group})")
+
+
+def _int8_tiles(ops: Any) -> bool:
+    """Whether the compiled ops take prefill-sized batches on int8 activations in their own
+    integer tiles (the AVX-512 build on a CPU with VNNI: csrc/block_tile.h)."""
+    has = _INT8_TILES.get(id(ops))
+    if has is None:
+        has = _INT8_TILES[id(ops)] = bool(getattr(ops, "block_int8_tiles", lambda: False)())
+    return has
+
+
+_INT8_TILES: dict[int, bool] = {}
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

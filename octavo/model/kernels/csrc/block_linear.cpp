@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 
 #include "ops.h"
@@ -563,6 +564,10 @@ void split_rows(const Weights& W, int64_t N, F&& f) {
   });
 }
 
+#if defined(__AVX512F__)
+#include "block_tile.h"  // prefill-sized batches on int8 activations: AVX-512 VNNI tiles
+#endif
+
 Weights check_weights(int64_t kind, const at::Tensor& q, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& mins, int64_t group) {
   TORCH_CHECK(kind == 0 || kind == 1 || kind == 5,
@@ -610,6 +615,12 @@ at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor sca
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#if defined(__AVX512F__)
+  if (int8_activations && W.group == 32 && M >= tiles::kMinRows && tiles::available()) {
+    tiles::run(W, xp, M, N, op, bp);
+    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  }
+#endif
   if (int8_activations) {
     const int64_t nb = W.K / 32, nb_pad = (nb + 7) / 8 * 8;
     auto xq = at::empty({M, W.K}, xf.options().dtype(at::kChar));
@@ -628,6 +639,14 @@ at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor sca
     });
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+bool block_int8_tiles() {
+#if defined(__AVX512F__)
+  return tiles::available();
+#else
+  return false;
+#endif
 }
 
 at::Tensor block_dequantize(int64_t kind, at::Tensor q, at::Tensor scale,

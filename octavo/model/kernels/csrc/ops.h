@@ -86,6 +86,10 @@ at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor sca
                         c10::optional<at::Tensor> mins, int64_t group,
                         c10::optional<at::Tensor> bias, bool int8_activations);
 
+// whether block_linear computes batches of 17 rows or more on int8 activations (group 32) in
+// its AVX-512 VNNI tiles (block_tile.h); else they take the widened tiles + GEMM (Python)
+bool block_int8_tiles();
+
 // rows [row_begin, row_end) of such a weight widened to float32 (into `out` when given)
 at::Tensor block_dequantize(int64_t kind, at::Tensor q, at::Tensor scale,
                             c10::optional<at::Tensor> mins, int64_t group, int64_t row_begin,

@@ -1,0 +1,213 @@
+// Prefill-sized batches of the 32-weight formats on int8 activations (GGUF's Q8_0, Q5_0, Q4_0,
+// Q4_1), AVX-512 VNNI: integer products per block of 32, vpdpbusd 64 at a time.
+//
+// The layout is chosen for the instruction, per call (the file's blocks stay as they are):
+// 16 blocks of 32 form a span of 512 weights, and vector v (0..7) of a span holds, in its int32
+// lane j, bytes 4v..4v+3 of block j. Eight vpdpbusd then leave in lane j the whole integer dot
+// product of block j, and the fp32 steps come once per span and (weight row, activation row):
+// acc += float(sum_j) * (dw_j * dx_j) lane for lane, plus the 4-bit kind's min term
+// mw_j * xs_j, then one horizontal sum. The activations are quantized per block of 32 as
+// quantize_x quantizes them (the same xq, dx and xs), written as unsigned xq + 128, with the
+// weights' signed bytes as vpdpbusd's second operand; each block's sum starts at
+// -128 * sum(w), so it is sum(w * xq) exactly. Weight rows are unpacked into that layout a
+// chunk at a time, per thread, into a reused buffer (an unpack per weight row and call, shared
+// by every activation row).
+//
+// Against the register kernels (idot, idot1) a row's integer sums are the same; only the order
+// of the fp32 sums differs, as it did for the widened tiles + GEMM this path replaces.
+//
+// Included by block_linear.cpp in its anonymous namespace, AVX-512 build, after Weights,
+// with_kind, fives8 and half_to_float.
+
+#pragma GCC push_options
+#pragma GCC target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")
+
+namespace tiles {
+
+constexpr int kLanes = 16;        // weight rows per vector (one per int32 lane)
+constexpr int kG = 2, kMT = 4;    // 16-row groups x activation rows per tile
+constexpr int64_t kChunk = 64;    // weight rows unpacked at a time (whole groups)
+constexpr int64_t kMinRows = 17;  // below: the register kernels (SMALL_BATCH in block_quant.py)
+
+bool available() {
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  return vnni;
+}
+
+// activation rows quantized per block of 32: quantize_x's xq (+ 128, vpdpbusd's unsigned
+// operand), dx and xs
+struct Acts {
+  std::unique_ptr<uint8_t[]> q;  // [M][K]
+  std::unique_ptr<float[]> dx;   // [M][nb]
+  std::unique_ptr<float[]> xs;   // [M][nb]: dx * sum(xq)
+};
+
+Acts quantize(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32;
+  Acts A{std::make_unique_for_overwrite<uint8_t[]>(M * K),
+         std::make_unique_for_overwrite<float[]>(M * nb),
+         std::make_unique_for_overwrite<float[]>(M * nb)};
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    const __m128i flip = _mm_set1_epi8(-128);
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + m * K + b * 32;
+        const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        // quantize_x's operations: inv = 127 / amax, xq = nearbyint(x * inv), dx = amax / 127
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        const __m512 sv = _mm512_set1_ps(inv);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, sv));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, sv));
+        uint8_t* qb = A.q.get() + m * K + b * 32;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb),
+                         _mm_xor_si128(_mm512_cvtepi32_epi8(q0), flip));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16),
+                         _mm_xor_si128(_mm512_cvtepi32_epi8(q1), flip));
+        const float d = amax / 127.f;
+        A.dx[m * nb + b] = d;
+        A.xs[m * nb + b] = d * static_cast<float>(
+            _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      }
+  });
+  return A;
+}
+
+// weight rows [n0, n0 + rows) in groups of 16, one row per int32 lane: per group and block,
+// 8 vectors (vector v: bytes 4v..4v+3 of each row's block), then per lane -128 * the block's
+// byte sum (where its sums start), the block's scale, and the 4-bit kind's min. The signed
+// bytes are the 4-bit kind's codes 0..15 and the 5-bit kind's x - 16; rows past the end zero.
+template <int KIND>
+void unpack(const Weights& W, int64_t n0, int64_t rows, uint8_t* q, int32_t* start, float* dw,
+            float* mw) {
+  const int64_t nb = W.K / 32, groups = (rows + kLanes - 1) / kLanes;
+  std::memset(q, 0, groups * nb * 512);
+  std::memset(start, 0, groups * nb * kLanes * sizeof(int32_t));
+  std::memset(dw, 0, groups * nb * kLanes * sizeof(float));
+  if (KIND == 0) std::memset(mw, 0, groups * nb * kLanes * sizeof(float));
+  alignas(32) int8_t w[32];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = n0 + r, g = r / kLanes, lane = r % kLanes;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (KIND == 0) {
+        const uint8_t* qs = W.q + n * (W.K / 2) + b * 16;
+        for (int j = 0; j < 16; ++j) {
+          w[j] = static_cast<int8_t>(qs[j] & 15);
+          w[j + 16] = static_cast<int8_t>(qs[j] >> 4);
+        }
+      } else if (KIND == 5) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w),
+                           fives8(W.q + n * W.row_bytes<5>() + b * 20));
+      } else {
+        std::memcpy(w, W.q + n * W.K + b * 32, 32);
+      }
+      uint8_t* dst = q + (g * nb + b) * 512 + 4 * lane;
+      int32_t sum = 0;
+      for (int v = 0; v < 8; ++v) std::memcpy(dst + 64 * v, w + 4 * v, 4);
+      for (int j = 0; j < 32; ++j) sum += w[j];
+      const int64_t at = (g * nb + b) * kLanes + lane;
+      start[at] = -128 * sum;
+      dw[at] = half_to_float(W.scale[n * nb + b]);
+      if (KIND == 0) mw[at] = half_to_float(W.mins[n * nb + b]);
+    }
+  }
+}
+
+// G groups of 16 unpacked weight rows x MT activation rows, every block; the 16 results of a
+// group and activation row are 16 consecutive outputs (stored up to `valid` rows)
+template <int KIND, int G, int MT>
+inline void tile(const uint8_t* wq, const int32_t* start, const float* dw, const float* mw,
+                 const Acts& A, int64_t m0, int64_t K, float* out, int64_t ldo, int64_t valid,
+                 const float* bias) {
+  const int64_t nb = K / 32;
+  __m512 acc[G][MT];
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < MT; ++m) acc[g][m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i sums[G][MT];
+    for (int g = 0; g < G; ++g) {
+      const __m512i init = _mm512_loadu_si512(start + (g * nb + b) * kLanes);
+      for (int m = 0; m < MT; ++m) sums[g][m] = init;
+    }
+    const uint8_t* xb = A.q.get() + m0 * K + b * 32;
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
+      __m512i w[G];
+      for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_si512(wq + (g * nb + b) * 512 + 64 * v);
+      for (int m = 0; m < MT; ++m) {
+        int32_t four;
+        std::memcpy(&four, xb + m * K + 4 * v, 4);
+        const __m512i x = _mm512_set1_epi32(four);
+        for (int g = 0; g < G; ++g) sums[g][m] = _mm512_dpbusd_epi32(sums[g][m], x, w[g]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m512 dx = _mm512_set1_ps(A.dx[(m0 + m) * nb + b]);
+      for (int g = 0; g < G; ++g) {
+        const int64_t at = (g * nb + b) * kLanes;
+        const __m512 cs = _mm512_mul_ps(_mm512_loadu_ps(dw + at), dx);
+        acc[g][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[g][m]), cs, acc[g][m]);
+        if (KIND == 0)
+          acc[g][m] = _mm512_fmadd_ps(_mm512_loadu_ps(mw + at),
+                                      _mm512_set1_ps(A.xs[(m0 + m) * nb + b]), acc[g][m]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t n = std::min<int64_t>(kLanes, valid - g * kLanes);
+    if (n <= 0) break;
+    const __mmask16 k = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 bv =
+        bias != nullptr ? _mm512_maskz_loadu_ps(k, bias + g * kLanes) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m)
+      _mm512_mask_storeu_ps(out + m * ldo + g * kLanes, k, _mm512_add_ps(acc[g][m], bv));
+  }
+}
+
+template <int KIND, int G>
+void rows(const uint8_t* wq, const int32_t* start, const float* dw, const float* mw,
+          const Acts& A, int64_t M, int64_t K, float* out, int64_t N, int64_t valid,
+          const float* bias) {
+  int64_t m = 0;
+  for (; m + kMT <= M; m += kMT)
+    tile<KIND, G, kMT>(wq, start, dw, mw, A, m, K, out + m * N, N, valid, bias);
+  for (; m < M; ++m) tile<KIND, G, 1>(wq, start, dw, mw, A, m, K, out + m * N, N, valid, bias);
+}
+
+// x [M, K] fp32 -> out [M, N]; W.group must be 32
+void run(const Weights& W, const float* x, int64_t M, int64_t N, float* out, const float* bias) {
+  const int64_t K = W.K, nb = K / 32, per_group = nb * kLanes;
+  const Acts A = quantize(x, M, K);
+  at::parallel_for(0, (N + kChunk - 1) / kChunk, 1, [&](int64_t c_begin, int64_t c_end) {
+    constexpr int64_t groups = kChunk / kLanes;
+    auto q = std::make_unique_for_overwrite<uint8_t[]>(groups * nb * 512);
+    auto start = std::make_unique_for_overwrite<int32_t[]>(groups * per_group);
+    auto dw = std::make_unique_for_overwrite<float[]>(groups * per_group);
+    auto mw = std::make_unique_for_overwrite<float[]>(W.kind == 0 ? groups * per_group : 1);
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int64_t n0 = c * kChunk, rows_here = std::min(kChunk, N - n0);
+      with_kind(W, [&](auto kind) {
+        constexpr int KIND = decltype(kind)::value;
+        unpack<KIND>(W, n0, rows_here, q.get(), start.get(), dw.get(), mw.get());
+        const int64_t used = (rows_here + kLanes - 1) / kLanes;
+        int64_t g = 0;
+        for (; g < used; g += (g + kG <= used ? kG : 1)) {
+          const int64_t at = g * per_group, first = g * kLanes;
+          const float* mwp = KIND == 0 ? mw.get() + at : nullptr;
+          const float* bp = bias != nullptr ? bias + n0 + first : nullptr;
+          if (g + kG <= used)
+            rows<KIND, kG>(q.get() + g * nb * 512, start.get() + at, dw.get() + at, mwp, A, M, K,
+                           out + n0 + first, N, rows_here - first, bp);
+          else
+            rows<KIND, 1>(q.get() + g * nb * 512, start.get() + at, dw.get() + at, mwp, A, M, K,
+                          out + n0 + first, N, rows_here - first, bp);
+        }
+      });
+    }
+  });
+}
+
+}  // namespace tiles
+
+#pragma GCC pop_options
