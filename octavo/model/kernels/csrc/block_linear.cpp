@@ -23,6 +23,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "ops.h"
 #include "vec_traits.h"
@@ -530,6 +531,14 @@ void irun_rows(const Weights& W, const QuantX& X, int64_t M, float* out, int64_t
 #endif
     // the AVX-512 build's idot1 one weight row at a time: two rows read a Q8_0 LM head of
     // 262,144 x 640 from memory at 11-12 GB/s on an AVX512-VNNI EPYC, one row at 18
+#if defined(__AVX512F__)
+    if (KIND == 5 && W.group == 32) {  // the unsigned 5-bit codes (block_row1.h)
+      std::vector<__m512i> c5(std::max<int64_t>(1, X.nb / 2));
+      fives_offsets(X, c5.data());
+      for (; n < n_end; ++n) idot1<KIND, 1>(W, n, X, out + n, bias, c5.data());
+      return;
+    }
+#endif
     for (; n < n_end; ++n) idot1<KIND, 1>(W, n, X, out + n, bias);
     return;
   }
