@@ -16,6 +16,10 @@
   reused buffer then oneDNN's fp32 GEMM (BlockQuantLinear._tiled, what the 32-weight formats
   run), and torch's and oneDNN's fp32 GEMM on fp32 weights of the same shapes (no widening):
   GFLOP/s (2 M N K per layer).
+- prefill of the 32-weight formats (Q8_0, Q5_0) at Gemma 3 270M's shapes (hidden 640: q 1024,
+  k 256, v 256, gate_up 4096, the layers its Q4_K_M file holds in them), the same ways: the
+  engine's (block_linear's VNNI tiles where the build and CPU have them, block_tile.h; else the
+  widened tiles), the widened tiles + oneDNN, and oneDNN on fp32 weights.
 
 Weights are random valid super-blocks (kquant.random_blocks), repacked as the loader does: the
 speed does not depend on the values. Medians of repeats; the first pass of each is a warm-up.
@@ -34,7 +38,14 @@ from octavo.bench.common import BenchResult, md_table, median
 from octavo.bench.options import BenchOptions
 from octavo.model.kernels.cpu_ops import load_cpu_ops
 from octavo.model.quant import kquant
-from octavo.model.quant.block_quant import BlockQuantLinear, _gemm
+from octavo.model.quant.block_quant import (
+    INT8,
+    BlockQuantLinear,
+    _gemm,
+    dequantize,
+    pack_fives,
+    quantize_int8_blocks,
+)
 from octavo.model.quant.gguf_blocks import FORMATS
 
 HIDDEN, INTERMEDIATE, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 1536, 8960, 151936, 12, 2, 128
@@ -46,6 +57,8 @@ NAMES = ("Q4_K", "Q5_K", "Q6_K")
 DECODE_ROWS = (1, 4, 16)
 PREFILL_ROWS = 512
 THREADS = (1, 2)
+SMALL_SHAPES = [(1024, 640), (256, 640), (256, 640), (4096, 640)]  # Gemma 3 270M q, k, v, gate_up
+NAMES_32 = ("Q8_0", "Q5_0")
 
 
 def _timed(fn, repeats: int) -> tuple[float, float]:
@@ -147,6 +160,39 @@ def prefill(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[dic
     return out
 
 
+def prefill_32(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[dict]:
+    """The 32-weight format `name` at SMALL_SHAPES and PREFILL_ROWS rows, each way."""
+    fmt = FORMATS[name][0]
+    layers = []
+    for n, k in SMALL_SHAPES:
+        if fmt.kind == INT8:
+            q, scale = quantize_int8_blocks(torch.randn(n, k, generator=gen))
+        else:  # Q5_0: every 5-bit value, scales as a file's
+            q = pack_fives(torch.randint(-16, 16, (n, k), generator=gen))
+            scale = (torch.rand(n, k // 32, generator=gen) / 8).half()
+        layer = BlockQuantLinear(fmt, q, scale, None, None)
+        layer.ops = ops
+        layers.append(layer)
+    fp32 = [dequantize(fmt.kind, b.q, b.scale, None, fmt.group) for b in layers]
+    flops = sum(2 * PREFILL_ROWS * n * k for n, k in SMALL_SHAPES)
+    xs = [torch.randn(PREFILL_ROWS, k, generator=gen) for _, k in SMALL_SHAPES]
+    ways = {
+        "the engine's": lambda: [b(x) for b, x in zip(layers, xs, strict=True)],
+        "widened tiles + oneDNN fp32":
+            lambda: [b._tiled(x) for b, x in zip(layers, xs, strict=True)],
+        "oneDNN fp32 GEMM": lambda: [_gemm(x, w, None) for w, x in zip(fp32, xs, strict=True)],
+    }
+    out = []
+    with torch.inference_mode():
+        for threads in THREADS:
+            torch.set_num_threads(threads)
+            for way, fn in ways.items():
+                s, _ = _timed(fn, repeats)
+                out.append({"threads": threads, "way": way, "ms": s * 1e3,
+                            "gflop_s": flops / s / 1e9})
+    return out
+
+
 def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
     ops = load_cpu_ops()
     if ops is None:
@@ -156,7 +202,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
     gen = torch.Generator().manual_seed(opts.seed)
     threads_was = torch.get_num_threads()
     bandwidth = {}
-    results: dict[str, Any] = {"kernel": ops.kquant_kernel(), "isa": ops.isa()}
+    results: dict[str, Any] = {"kernel": ops.kquant_kernel(), "isa": ops.isa(),
+                               "int8_tiles_32": bool(ops.block_int8_tiles())}
     try:
         for threads in THREADS:
             torch.set_num_threads(threads)
@@ -166,6 +213,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
             results[name] = {"in_cache": in_cache(ops, kind, repeats, gen),
                              "decode": decode(ops, kind, layers, repeats, gen),
                              "prefill": prefill(ops, name, max(1, repeats // 2), gen)}
+        for name in NAMES_32:
+            results[name] = {"prefill": prefill_32(ops, name, max(1, repeats // 2), gen)}
     finally:
         torch.set_num_threads(threads_was)
     results["read_gb_s"] = bandwidth
@@ -196,9 +245,20 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
            + f"; kernel path {results['kernel']} ({results['isa']} build).\n\n"
            + f"Prefill, {PREFILL_ROWS} rows through one decoder layer's linears:\n\n"
            + md_table(["format", "threads", "path", "GFLOP/s", "x torch fp32 GEMM"], prow))
+    srow = []
+    for name in NAMES_32:
+        by = {(r["threads"], r["way"]): r["gflop_s"] for r in results[name]["prefill"]}
+        for (threads, way), g in by.items():
+            srow.append([name, threads, way, g, g / by[(threads, "oneDNN fp32 GEMM")]])
+    engine_way = ("int8 VNNI tiles" if results["int8_tiles_32"]
+                  else "widened tiles + oneDNN fp32")
+    md += (f"\n\nPrefill of the 32-weight formats, {PREFILL_ROWS} rows through Gemma 3 270M's "
+           f"q, k, v and gate_up shapes (the engine's way here: {engine_way}):\n\n"
+           + md_table(["format", "threads", "path", "GFLOP/s", "x oneDNN fp32 GEMM"], srow))
     config = {"repeats": repeats, "decoder_layers": layers, "shapes": LAYER_SHAPES,
               "lm_head": (VOCAB, HIDDEN), "decode_rows": DECODE_ROWS,
-              "prefill_rows": PREFILL_ROWS, "threads": THREADS}
+              "prefill_rows": PREFILL_ROWS, "threads": THREADS,
+              "small_shapes": SMALL_SHAPES}
     return BenchResult("kquant", opts.command, config, results, md), plot
 
 
