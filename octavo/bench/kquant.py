@@ -18,8 +18,8 @@
   GFLOP/s (2 M N K per layer).
 - prefill of the 32-weight formats (Q8_0, Q5_0) at Gemma 3 270M's shapes (hidden 640: q 1024,
   k 256, v 256, gate_up 4096, the layers its Q4_K_M file holds in them), the same ways: the
-  engine's (block_linear's VNNI tiles where the build and CPU have them, block_tile.h; else the
-  widened tiles), the widened tiles + oneDNN, and oneDNN on fp32 weights.
+  engine's (block_linear's integer tiles: block_tile.h on AVX-512 VNNI, block_tile_avx2.h in
+  the AVX2 build; else the widened tiles), the widened tiles + oneDNN, and oneDNN on fp32 weights.
 
 Weights are random valid super-blocks (kquant.random_blocks), repacked as the loader does: the
 speed does not depend on the values. Medians of repeats; the first pass of each is a warm-up.
@@ -250,7 +250,7 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
         by = {(r["threads"], r["way"]): r["gflop_s"] for r in results[name]["prefill"]}
         for (threads, way), g in by.items():
             srow.append([name, threads, way, g, g / by[(threads, "oneDNN fp32 GEMM")]])
-    engine_way = ("int8 VNNI tiles" if results["int8_tiles_32"]
+    engine_way = (f"integer tiles ({results['isa']} build)" if results["int8_tiles_32"]
                   else "widened tiles + oneDNN fp32")
     md += (f"\n\nPrefill of the 32-weight formats, {PREFILL_ROWS} rows through Gemma 3 270M's "
            f"q, k, v and gate_up shapes (the engine's way here: {engine_way}):\n\n"

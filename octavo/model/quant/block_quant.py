@@ -286,7 +286,8 @@ class BlockQuantLinear(nn.Module):
 
 def _int8_tiles(ops: Any) -> bool:
     """Whether the compiled ops take prefill-sized batches on int8 activations in their own
-    integer tiles (the AVX-512 build on a CPU with VNNI: csrc/block_tile.h)."""
+    integer tiles (the AVX-512 build on a CPU with VNNI, csrc/block_tile.h; the AVX2 build,
+    block_tile_avx2.h)."""
     has = _INT8_TILES.get(id(ops))
     if has is None:
         has = _INT8_TILES[id(ops)] = bool(getattr(ops, "block_int8_tiles", lambda: False)())

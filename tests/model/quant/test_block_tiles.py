@@ -1,14 +1,16 @@
-"""The VNNI tiles that compute prefill-sized batches of the 32-weight formats on int8 activations
-(csrc/block_tile.h: GGUF's Q8_0, Q5_0, Q4_0/Q4_1 at 17 rows or more, AVX-512 build on a CPU
-with avx512_vnni): against the dequantize-then-matmul reference on the kernel's own quantized
-activations, against the register kernels row by row, on extreme values, and a row's bits in
-batches of any size the tiles take."""
+"""The integer tiles that compute prefill-sized batches of the 32-weight formats on int8
+activations (GGUF's Q8_0, Q5_0, Q4_0/Q4_1 at 17 rows or more: csrc/block_tile.h in the AVX-512
+build on a CPU with avx512_vnni, block_tile_avx2.h in the AVX2 build), each build this CPU
+runs: against the dequantize-then-matmul reference on the kernel's own quantized activations,
+against the register kernels row by row, on extreme values, and a row's bits in batches of any
+size the tiles take."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from octavo.model.kernels.cpu_isa import cpu_flags
 from octavo.model.quant import block_quant
 from octavo.model.quant.block_quant import (
     INT4,
@@ -25,18 +27,28 @@ KINDS = {"q4_1": INT4, "q8_0": INT8, "q5_0": INT5}
 TILE_ROWS = (17, 18, 21, 64)  # 17: the first batch the tiles take; MT = 4 tiles and 1-row tails
 
 
-def tiles_ops():
-    if "avx512" not in ISAS:
-        pytest.skip("the tiles are the AVX-512 build's; this CPU runs no AVX-512")
-    ops = ops_for("avx512")
+TILE_ISAS = [isa for isa in ISAS if isa != "portable"]
+
+
+def tiles_ops(isa: str):
+    ops = ops_for(isa)
     if not ops.block_int8_tiles():
-        pytest.skip("this CPU has no avx512_vnni: the widened tiles + GEMM take these batches")
+        pytest.skip(f"the {isa} build has no integer tiles on this CPU (AVX-512 without "
+                    "avx512_vnni): the widened tiles + GEMM take these batches")
     return ops
 
 
+def test_which_builds_have_the_tiles():
+    for isa in ISAS:
+        ops = ops_for(isa)
+        assert ops.block_int8_tiles() == (isa == "avx2" or (isa == "avx512" and "avx512_vnni"
+                                                            in cpu_flags())), isa
+
+
 @pytest.mark.parametrize("fmt", list(KINDS))
-def test_tiles_equal_the_dequantized_matmul(fmt):
-    ops = tiles_ops()
+@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_tiles_equal_the_dequantized_matmul(isa, fmt):
+    ops = tiles_ops(isa)
     kind = KINDS[fmt]
     gen = torch.Generator().manual_seed(31 + list(KINDS).index(fmt))
     # n: partial 16-row groups, a partial pair of groups, more than one 64-row chunk
@@ -58,10 +70,11 @@ def test_tiles_equal_the_dequantized_matmul(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(KINDS))
-def test_tile_rows_agree_with_the_register_kernels_and_keep_their_bits(fmt):
+@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_tile_rows_agree_with_the_register_kernels_and_keep_their_bits(isa, fmt):
     """The tiles' integer sums are the register kernels' (only the fp32 sum order differs),
     and a row's result is the same bits in every batch the tiles take."""
-    ops = tiles_ops()
+    ops = tiles_ops(isa)
     kind = KINDS[fmt]
     gen = torch.Generator().manual_seed(41 + list(KINDS).index(fmt))
     n, k = 37, 640
@@ -77,11 +90,12 @@ def test_tile_rows_agree_with_the_register_kernels_and_keep_their_bits(fmt):
         assert torch.equal(part, batch[lo:hi]), (lo, hi)
 
 
-def test_tiles_on_extreme_values():
+@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_tiles_on_extreme_values(isa):
     """Every byte value including -128 (its start, -128 * sum(w), and unsigned activations up
     to 255 must not overflow), full-range activations of both signs, 5-bit extremes, 4-bit
     codes with negative mins, and a zero activation row."""
-    ops = tiles_ops()
+    ops = tiles_ops(isa)
     n, k, m = 33, 512, 20
     x = torch.full((m, k), 100.0)
     x[1::2] = -100.0
@@ -106,10 +120,11 @@ def test_tiles_on_extreme_values():
     assert_matches(got, reference(INT4, q4, scale, mins, 32, x, None, True))
 
 
-def test_block_linear_takes_prefill_batches_in_the_tiles(monkeypatch):
+@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_block_linear_takes_prefill_batches_in_the_tiles(isa, monkeypatch):
     """BlockQuantLinear sends a GGUF 32-weight layer's prefill batch to the tiles, not through
     the widened weight rows + GEMM, where the compiled ops have them."""
-    ops = tiles_ops()
+    ops = tiles_ops(isa)
     gen = torch.Generator().manual_seed(5)
     q, scale, _ = random_weights(INT8, 48, 256, 32, gen)
     layer = BlockQuantLinear(BlockFormat("q8_0", INT8, 32, int8_activations=True), q, scale,

@@ -46,7 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("kind"), py::arg("q"), py::arg("scale"), py::arg("mins"),
         py::arg("group"), py::arg("bias"), py::arg("int8_activations") = false);
   m.def("block_int8_tiles", &block_int8_tiles,
-        "whether block_linear takes prefill-sized batches on int8 activations in VNNI tiles");
+        "whether block_linear takes prefill-sized batches on int8 activations in integer tiles");
   m.def("block_dequantize", &block_dequantize, "rows of a block-quantized weight as float32",
         py::arg("kind"), py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"),
         py::arg("row_begin"), py::arg("row_end"), py::arg("out") = py::none());

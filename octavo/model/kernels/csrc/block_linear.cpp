@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -573,8 +574,12 @@ void split_rows(const Weights& W, int64_t N, F&& f) {
   });
 }
 
+// prefill-sized batches on int8 activations: integer tiles, 16 weight rows per vpdpbusd
+// (AVX-512 VNNI) or 8 per vpmaddubsw (AVX2)
 #if defined(__AVX512F__)
-#include "block_tile.h"  // prefill-sized batches on int8 activations: AVX-512 VNNI tiles
+#include "block_tile.h"
+#elif defined(__AVX2__)
+#include "block_tile_avx2.h"
 #endif
 
 Weights check_weights(int64_t kind, const at::Tensor& q, const at::Tensor& scale,
@@ -624,7 +629,7 @@ at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor sca
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
   if (int8_activations && W.group == 32 && M >= tiles::kMinRows && tiles::available()) {
     tiles::run(W, xp, M, N, op, bp);
     return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
@@ -651,7 +656,7 @@ at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor sca
 }
 
 bool block_int8_tiles() {
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
   return tiles::available();
 #else
   return false;

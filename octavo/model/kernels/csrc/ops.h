@@ -87,7 +87,8 @@ at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor sca
                         c10::optional<at::Tensor> bias, bool int8_activations);
 
 // whether block_linear computes batches of 17 rows or more on int8 activations (group 32) in
-// its AVX-512 VNNI tiles (block_tile.h); else they take the widened tiles + GEMM (Python)
+// its integer tiles (block_tile.h: AVX-512 VNNI; block_tile_avx2.h: the AVX2 build); else they
+// take the widened tiles + GEMM (Python)
 bool block_int8_tiles();
 
 // rows [row_begin, row_end) of such a weight widened to float32 (into `out` when given)
