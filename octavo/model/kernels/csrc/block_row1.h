@@ -1,7 +1,7 @@
 // One activation row on int8 activations (a decode's batch of one): idot1, the kernel of each
-// AVX build, which gives the bits of idot's MT = 1. Included by block_linear.cpp inside its
-// anonymous namespace, after idot (it uses Weights, QuantX, block_scales, prefetch_stream,
-// fives8 and hsum8 from there).
+// AVX build, which gives the bits of idot's MT = 1. Included by block_idot.h (in
+// block_linear.cpp's anonymous namespace) after idot; it uses Weights, QuantX, block_scales,
+// prefetch_stream, fives8 and hsum8.
 
 #if !defined(__AVX512F__)
 #define OCTAVO_IDOT1 1
