@@ -311,3 +311,23 @@ def test_kv_map_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> Non
         if way != "closed":  # the client was connected (one event in) before the batch
             samples = result["results"]["throughput"]["samples"][way]
             assert all(s["events_total"] >= 1 for s in samples)
+
+
+def test_kquant_prefill_of_the_32_weight_formats_times_each_way() -> None:
+    """`octavo bench kquant`'s rows for Q8_0 and Q5_0 at Gemma 3 270M's shapes: every way runs
+    at every thread count (the kernels' results are tests/model/quant/test_block_tiles.py's)."""
+    import torch
+
+    from octavo.bench import kquant
+    from octavo.model.kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip("octavo's CPU ops cannot be built here")
+    gen = torch.Generator().manual_seed(0)
+    for name in kquant.NAMES_32:
+        rows = kquant.prefill_32(ops, name, 1, gen)
+        ways = {r["way"] for r in rows}
+        assert ways == {"the engine's", "widened tiles + oneDNN fp32", "oneDNN fp32 GEMM"}
+        assert {r["threads"] for r in rows} == set(kquant.THREADS)
+        assert all(r["gflop_s"] > 0 and r["ms"] > 0 for r in rows)
