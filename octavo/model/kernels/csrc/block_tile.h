@@ -1,17 +1,19 @@
 // Prefill-sized batches of the 32-weight formats on int8 activations (GGUF's Q8_0, Q5_0, Q4_0,
 // Q4_1), AVX-512 VNNI: integer products per block of 32, vpdpbusd 64 at a time.
 //
-// The layout is chosen for the instruction, per call (the file's blocks stay as they are):
-// 16 blocks of 32 form a span of 512 weights, and vector v (0..7) of a span holds, in its int32
-// lane j, bytes 4v..4v+3 of block j. Eight vpdpbusd then leave in lane j the whole integer dot
-// product of block j, and the fp32 steps come once per span and (weight row, activation row):
-// acc += float(sum_j) * (dw_j * dx_j) lane for lane, plus the 4-bit kind's min term
-// mw_j * xs_j, then one horizontal sum. The activations are quantized per block of 32 as
-// quantize_x quantizes them (the same xq, dx and xs), written as unsigned xq + 128, with the
-// weights' signed bytes as vpdpbusd's second operand; each block's sum starts at
-// -128 * sum(w), so it is sum(w * xq) exactly. Weight rows are unpacked into that layout a
-// chunk at a time, per thread, into a reused buffer (an unpack per weight row and call, shared
-// by every activation row).
+// The layout is chosen for the instruction, per call (the file's blocks stay as they are): a
+// weight row per int32 lane. Per group of 16 weight rows and block of 32, vector v (0..7) holds
+// bytes 4v..4v+3 of each row's block in that row's lane; one vpdpbusd takes 4 activation bytes,
+// broadcast, against them, and eight leave in each lane the block's whole integer dot product
+// for that row. The fp32 step comes once per block and (16 rows, activation row):
+// acc += float(sum) * (dw * dx), plus the 4-bit kind's min term mw * xs; the 16 lanes are 16
+// consecutive outputs of the activation row, stored at once, with no horizontal sum (a first
+// layout with a block per lane spent as much on those sums as on the products at K = 640).
+// The activations are quantized per block of 32 as quantize_x quantizes them (the same xq, dx
+// and xs), written as unsigned xq + 128, with the weights' signed bytes as vpdpbusd's second
+// operand; each block's sums start at -128 * sum(w), so they are sum(w * xq) exactly. Weight
+// rows are unpacked into that layout 64 at a time, per thread, into a reused buffer (an unpack
+// per weight row and call, shared by every activation row).
 //
 // Against the register kernels (idot, idot1) a row's integer sums are the same; only the order
 // of the fp32 sums differs, as it did for the widened tiles + GEMM this path replaces.
