@@ -125,6 +125,19 @@ def in_cache(ops: Any, kind: int, repeats: int, gen: torch.Generator) -> dict:
             "cpu_time_weight_gb_s": w.numel() * calls / cpu / 1e9, "weight_bytes": w.numel()}
 
 
+def _time_ways(ways: dict[str, Any], flops: int, repeats: int) -> list[dict]:
+    """Each way at each thread count: ms and GFLOP/s (`flops` per call)."""
+    out = []
+    with torch.inference_mode():
+        for threads in THREADS:
+            torch.set_num_threads(threads)
+            for way, fn in ways.items():
+                s, _ = _timed(fn, repeats)
+                out.append({"threads": threads, "way": way, "ms": s * 1e3,
+                            "gflop_s": flops / s / 1e9})
+    return out
+
+
 def prefill(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[dict]:
     """One decoder layer's linears at PREFILL_ROWS rows, each way, at each thread count."""
     fmt = FORMATS[name][0]
@@ -149,15 +162,7 @@ def prefill(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[dic
         "oneDNN fp32 GEMM":
             lambda: [_gemm(x, w, None) for w, x in zip(fp32, xs, strict=True)],
     }
-    out = []
-    with torch.inference_mode():
-        for threads in THREADS:
-            torch.set_num_threads(threads)
-            for way, fn in ways.items():
-                s, _ = _timed(fn, repeats)
-                out.append({"threads": threads, "way": way, "ms": s * 1e3,
-                            "gflop_s": flops / s / 1e9})
-    return out
+    return _time_ways(ways, flops, repeats)
 
 
 def prefill_32(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[dict]:
@@ -182,15 +187,7 @@ def prefill_32(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[
             lambda: [b._tiled(x) for b, x in zip(layers, xs, strict=True)],
         "oneDNN fp32 GEMM": lambda: [_gemm(x, w, None) for w, x in zip(fp32, xs, strict=True)],
     }
-    out = []
-    with torch.inference_mode():
-        for threads in THREADS:
-            torch.set_num_threads(threads)
-            for way, fn in ways.items():
-                s, _ = _timed(fn, repeats)
-                out.append({"threads": threads, "way": way, "ms": s * 1e3,
-                            "gflop_s": flops / s / 1e9})
-    return out
+    return _time_ways(ways, flops, repeats)
 
 
 def run(opts: BenchOptions) -> tuple[BenchResult, Any]:

@@ -351,6 +351,27 @@ void split_rows(const Weights& W, int64_t N, F&& f) {
 
 // prefill-sized batches on int8 activations: integer tiles, 16 weight rows per vpdpbusd
 // (AVX-512 VNNI) or 8 per vpmaddubsw (AVX2)
+#if defined(__AVX2__)
+// the 32 values of weight row n's block b as signed bytes, in element order: the 4-bit kind's
+// codes 0..15 (its min apart), the 5-bit kind's x - 16, the 8-bit kind's bytes (the tiles'
+// unpack)
+template <int KIND>
+inline void block_values(const Weights& W, int64_t n, int64_t b, int8_t* w) {
+  if (KIND == 0) {
+    const uint8_t* qs = W.q + n * (W.K / 2) + b * 16;
+    for (int j = 0; j < 16; ++j) {
+      w[j] = static_cast<int8_t>(qs[j] & 15);
+      w[j + 16] = static_cast<int8_t>(qs[j] >> 4);
+    }
+  } else if (KIND == 5) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w),
+                        fives8(W.q + n * W.row_bytes<5>() + b * 20));
+  } else {
+    std::memcpy(w, W.q + n * W.K + b * 32, 32);
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
 #include "block_tile.h"
 #elif defined(__AVX2__)

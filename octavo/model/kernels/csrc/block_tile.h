@@ -19,7 +19,7 @@
 // of the fp32 sums differs, as it did for the widened tiles + GEMM this path replaces.
 //
 // Included by block_linear.cpp in its anonymous namespace, AVX-512 build, after Weights,
-// with_kind, fives8 and half_to_float.
+// with_kind, block_values and half_to_float.
 
 #pragma GCC push_options
 #pragma GCC target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")
@@ -92,18 +92,7 @@ void unpack(const Weights& W, int64_t n0, int64_t rows, uint8_t* q, int32_t* sta
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = n0 + r, g = r / kLanes, lane = r % kLanes;
     for (int64_t b = 0; b < nb; ++b) {
-      if (KIND == 0) {
-        const uint8_t* qs = W.q + n * (W.K / 2) + b * 16;
-        for (int j = 0; j < 16; ++j) {
-          w[j] = static_cast<int8_t>(qs[j] & 15);
-          w[j + 16] = static_cast<int8_t>(qs[j] >> 4);
-        }
-      } else if (KIND == 5) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w),
-                           fives8(W.q + n * W.row_bytes<5>() + b * 20));
-      } else {
-        std::memcpy(w, W.q + n * W.K + b * 32, 32);
-      }
+      block_values<KIND>(W, n, b, w);
       uint8_t* dst = q + (g * nb + b) * 512 + 4 * lane;
       int32_t sum = 0;
       for (int v = 0; v < 8; ++v) std::memcpy(dst + 64 * v, w + 4 * v, 4);

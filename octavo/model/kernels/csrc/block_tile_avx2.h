@@ -12,7 +12,7 @@
 // The activations are quantize_x's (the same xq, dx and xs as the register kernels).
 //
 // Included by block_linear.cpp in its anonymous namespace, AVX2 build without AVX-512, after
-// Weights, QuantX, quantize_x, with_kind, fives8 and half_to_float.
+// Weights, QuantX, quantize_x, with_kind, block_values and half_to_float.
 
 namespace tiles {
 
@@ -64,19 +64,9 @@ void unpack(const Weights& W, int64_t n0, int64_t rows, uint8_t* q, float* dw, f
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = n0 + r, g = r / kLanes, lane = r % kLanes;
     for (int64_t b = 0; b < nb; ++b) {
-      if (KIND == 0) {
-        const uint8_t* qs = W.q + n * (W.K / 2) + b * 16;
-        for (int j = 0; j < 16; ++j) {
-          w[j] = static_cast<int8_t>(qs[j] & 15);
-          w[j + 16] = static_cast<int8_t>(qs[j] >> 4);
-        }
-      } else if (KIND == 5) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w),
-                           _mm256_add_epi8(fives8(W.q + n * W.row_bytes<5>() + b * 20),
-                                           _mm256_set1_epi8(16)));
-      } else {
-        std::memcpy(w, W.q + n * W.K + b * 32, 32);
-      }
+      block_values<KIND>(W, n, b, w);
+      if (KIND == 5)  // vpmaddubsw's unsigned operand: x = w + 16
+        for (int j = 0; j < 32; ++j) w[j] = static_cast<int8_t>(w[j] + 16);
       uint8_t* dst = q + (g * nb + b) * 256 + 4 * lane;
       for (int v = 0; v < 8; ++v) std::memcpy(dst + 32 * v, w + 4 * v, 4);
       const int64_t at = (g * nb + b) * kLanes + lane;
