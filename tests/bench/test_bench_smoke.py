@@ -104,10 +104,31 @@ def test_kvquant_quick_on_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> No
             str(tmp_path)]
     assert bench_main(argv) == 0
     results = _files(tmp_path, "kvquant")["results"]
-    assert set(results["quality"]) == {"int8", "fp8_e4m3"}
+    assert set(results["quality"]) == {"auto + noise", "int8", "fp8_e4m3"}
     assert results["quality"]["int8"]["positions"] == 4 * 32
+    # the control on a path without quantized activations: the perturbation moves no top-1
+    assert results["quality"]["auto + noise"]["top1_agreement"] == 1.0
+    assert results["quality"]["auto + noise"]["max_kl"] < 1e-4
     assert results["quality"]["int8"]["kv_bytes_per_token"] < results["auto_kv_bytes_per_token"]
     assert [r["kv_cache_dtype"] for r in results["speed"]] == ["auto", "int8"]
+
+
+def test_kvquant_control_perturbs_what_attention_reads(tiny_llama_dir: Path) -> None:
+    """The control engine's logits move (its K and V are perturbed) by far less than a
+    KV format's rounding does."""
+    from octavo.bench.engine_run import make_llm
+    from octavo.bench.kv_quant import NOISE, perturb_kv
+    from octavo.bench.quant import sequence_logits
+
+    tokens = list(range(3, 40))
+    base = sequence_logits(make_llm(str(tiny_llama_dir), num_kv_blocks=8), tokens)
+    noisy = sequence_logits(perturb_kv(make_llm(str(tiny_llama_dir), num_kv_blocks=8), NOISE),
+                            tokens)
+    int8 = sequence_logits(make_llm(str(tiny_llama_dir), num_kv_blocks=8,
+                                    kv_cache_dtype="int8"), tokens)
+    moved = (noisy - base).abs().max().item()
+    assert 0 < moved < 1e-3
+    assert moved < (int8 - base).abs().max().item() / 10
 
 
 def test_kvquant_speed_windows_keep_every_sequence_running(tiny_llama_dir: Path) -> None:
