@@ -71,14 +71,22 @@ def perturb_kv(llm: LLM, eps: float, seed: int = 0) -> LLM:
     return llm
 
 
-def quality(base: LLM, quant: LLM, refs: list[list[int]], prompts: list[list[int]]
-            ) -> dict[str, Any]:
-    agree, kls = [], []
+def continuation_logprobs(llm: LLM, refs: list[list[int]], prompts: list[list[int]]
+                          ) -> list[torch.Tensor]:
+    """Per prompt, [len(continuation), vocab] log-probabilities at the positions that predict
+    the continuation, from one prefill of prompt + continuation (teacher forcing)."""
+    out = []
     for p, r in zip(prompts, refs, strict=True):
-        seq = p + r
-        span = slice(len(p) - 1, len(seq) - 1)  # the positions that predict the continuation
-        a = sequence_logits(base, seq)[span].log_softmax(-1)
-        b = sequence_logits(quant, seq)[span].log_softmax(-1)
+        span = slice(len(p) - 1, len(p) + len(r) - 1)
+        out.append(sequence_logits(llm, p + r)[span].log_softmax(-1))
+    return out
+
+
+def quality(base: list[torch.Tensor], quant: LLM, refs: list[list[int]],
+            prompts: list[list[int]]) -> dict[str, Any]:
+    """`quant` against the `auto` engine's log-probabilities `base` (continuation_logprobs)."""
+    agree, kls = [], []
+    for a, b in zip(base, continuation_logprobs(quant, refs, prompts), strict=True):
         agree.append((a.argmax(-1) == b.argmax(-1)).float())
         kls.append((a.exp() * (a - b)).sum(-1))
     top1, kl = torch.cat(agree), torch.cat(kls)
@@ -170,17 +178,20 @@ def quality_part(opts: BenchOptions, texts: list[str], continuation: int) -> dic
     out: dict[str, Any] = {"quality": {}, "model_dtype": base.engine.kernel_path()["dtype"],
                            "kernel_path": base.engine.kernel_path(),
                            "auto_kv_bytes_per_token": base.stats()["kv_bytes_per_token"]}
+    # one engine at a time: a 1.5B model's fp32 weights (--quantization none) twice over
+    # would not fit beside the log-probabilities on a small machine
+    base_logprobs = continuation_logprobs(base, refs, prompts)
+    del base
+    gc.collect()
     for name in (CONTROL, *FORMATS[:opts.pick(2, len(FORMATS))]):
         quant = (perturb_kv(make_llm(opts.model, overrides=opts.engine_overrides, **sized),
                             NOISE) if name == CONTROL else
                  make_llm(opts.model, overrides=opts.engine_overrides, kv_cache_dtype=name,
                           **sized))
-        out["quality"][name] = {**quality(base, quant, refs, prompts),
+        out["quality"][name] = {**quality(base_logprobs, quant, refs, prompts),
                                 "kv_bytes_per_token": quant.stats()["kv_bytes_per_token"]}
         del quant
         gc.collect()
-    del base
-    gc.collect()
     return out
 
 
