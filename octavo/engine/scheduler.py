@@ -1,7 +1,10 @@
 """Iteration-level (continuous-batching) scheduler with chunked prefill and preemption.
 
 Two calls a step, around the runner: `schedule()` builds the StepPlan, `update_from_output()`
-takes what the runner sampled and moves the sequences on.
+takes what the runner sampled and moves the sequences on. The class is in three modules: this
+one builds the plan (running requests, preemption, the runner's view of each sequence),
+scheduler_admission.py brings swapped-out and waiting requests in, scheduler_update.py takes
+a step's output; Scheduler inherits the other two.
 
 Every step builds one batch under a token budget (``max_num_batched_tokens``) and a sequence cap
 (``max_num_seqs``): running requests first, in rank order (their decode tokens, or the next
@@ -21,25 +24,20 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 
 from octavo.config import SchedulerConfig
-from octavo.engine import beam_search
-from octavo.engine.output_processor import TextStop
 from octavo.engine.parallel_sampling import fan_out, needs_fan_out
-from octavo.engine.request import Request, RequestStatus, RequestUpdate, Sequence, SeqUpdate
+from octavo.engine.request import Request, RequestStatus, Sequence
+from octavo.engine.scheduler_admission import SchedulerAdmission, Slot
+from octavo.engine.scheduler_update import SchedulerUpdate
 from octavo.engine.speculator import DraftState, Speculator
-from octavo.engine.stop_checker import check_token_stop
 from octavo.paging.allocator import KVAllocator, NewBlocks
-from octavo.step_plan import NewSeq, RunnerOutput, SeqChunk, StepPlan
+from octavo.step_plan import NewSeq, SeqChunk, StepPlan
 
 logger = logging.getLogger(__name__)
 
-# (sequence, first token, number of tokens, what allocate_slots changed)
-Slot = tuple[Sequence, int, int, NewBlocks]
 
-
-class Scheduler:
+class Scheduler(SchedulerAdmission, SchedulerUpdate):
     def __init__(self, config: SchedulerConfig, kv: KVAllocator) -> None:
         self.config = config
         self.kv = kv
@@ -81,19 +79,6 @@ class Scheduler:
                 seq.finish_reason = "abort"
             self._release(seq)
         request.status = RequestStatus.FINISHED
-
-    def apply_text_stops(self, stops: list[TextStop]) -> None:
-        """Finish the sequences the output processor's stop strings ended (found after
-        detokenizing): their finish and stop reasons, the tokens sampled past the stop in a
-        step of several dropped, their blocks freed if they still ran."""
-        for stop in stops:
-            seq = stop.seq
-            still_running = seq.finish_reason is None
-            seq.drop_last_tokens(stop.drop_tokens)
-            seq.finish_reason = stop.decision.finish_reason
-            seq.stop_reason = stop.decision.stop_reason
-            if still_running:
-                self._finish_seq(seq)
 
     def set_draft_token_share(self, share: float) -> None:
         """The runner's drafter's cost per draft token, as a share of a target token's (its
@@ -137,15 +122,6 @@ class Scheduler:
     @property
     def num_running_seqs(self) -> int:
         return sum(len(r.live_seqs) for r in self.running)
-
-    @staticmethod
-    def _seq_slots(request: Request) -> int:
-        # Sequences a request takes under max_num_seqs: one not forked yet (still in its prompt)
-        # will run max_seqs of them (n samples or beams), so count those from the start.
-        return request.max_seqs if len(request.seqs) == 1 else len(request.live_seqs)
-
-    def _num_seq_slots(self) -> int:
-        return sum(self._seq_slots(r) for r in self.running)
 
     # ---- schedule -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -272,122 +248,6 @@ class Scheduler:
             k = len(tokens)
         return tokens, k
 
-    def _admit_outranking(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, int]:
-        """Priority policy: before `request` is scheduled, admit the waiting requests that
-        outrank it, preempting the lowest-ranked running requests while one does not fit.
-        Returns the budget left and the number of preemptions."""
-        preempted = 0
-        while self.waiting and budget > 0 and self._key(self.waiting[0]) < self._key(request):
-            head = self.waiting[0]
-            left = self._admit(head, plan, budget)
-            if left is not None:
-                budget = left
-                continue
-            tail = self.running[-1]
-            if self._key(tail) <= self._key(head):
-                break
-            self._preempt(tail, plan=plan)
-            preempted += 1
-            if tail is request:
-                break
-        return budget, preempted
-
-    def _swap_in(self, plan: StepPlan, budget: int) -> int:
-        while self.swapped and budget > 0:
-            request = self.swapped[0]
-            if self._num_seq_slots() + self._seq_slots(request) > self.config.max_num_seqs:
-                break
-            seqs = request.live_seqs
-            copies = self.kv.swap_in([s.seq_id for s in seqs])
-            if copies is None:
-                break
-            self.swapped.pop(0)
-            plan.swap_in.extend(copies)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=self._key)
-            for seq in seqs:  # back on the device, under new block ids
-                self._sync_runner(seq, None, plan)
-            slots: list[Slot] = []
-            for seq in seqs:
-                n = min(seq.num_new_tokens, budget)
-                start = seq.num_computed_tokens
-                if n <= 0 or (new := self.kv.allocate_slots(seq, n)) is None:
-                    break
-                slots.append((seq, start, n, new))
-                budget -= n
-            for slot in slots:
-                self._emit(request, *slot, plan)
-        return budget
-
-    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
-            left = self._admit(request, plan, budget)
-            if left is not None:
-                budget = left
-                continue
-            if not self.running and not self.swapped and not plan.chunks:
-                # the whole cache is free and it still does not fit: it never will
-                self.waiting.pop(0)
-                self._give_up(request)
-                continue
-            break
-
-    def _admit(self, request: Request, plan: StepPlan, budget: int) -> int | None:
-        """Start a waiting request (its blocks and first chunk) and return the budget left, or
-        None when it does not fit now."""
-        max_seqs = max(len(request.live_seqs), request.max_seqs)
-        if self.running and self._num_seq_slots() + max_seqs > self.config.max_num_seqs:
-            return None
-        if self._prefills_left <= 0:  # this step's prompts are taken (max_num_partial_prefills)
-            return None
-        slots = self._allocate(request, budget)
-        if slots is None:
-            return None
-        if any(n for _, _, n, _ in slots):
-            self._prefills_left -= 1
-        assert self.waiting[0] is request
-        self.waiting.pop(0)
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=self._key)
-        for seq, start, n, new in slots:
-            if n:
-                self._emit(request, seq, start, n, new, plan)
-                budget -= n
-        return budget
-
-    def _allocate(self, request: Request, budget: int) -> list[Slot] | None:
-        """Blocks for every sequence of a waiting request, or none at all (returns None)."""
-        use_cache = request.params.prompt_logprobs is None  # they need every position's logits
-        reserve = self.reserve_tokens(request)
-        done: list[Slot] = []
-        for seq in request.live_seqs:
-            seq.reserve_tokens = reserve  # the contiguous baseline reserves it up front
-            cached = self.kv.get_computed_blocks(seq) if use_cache else None
-            n = min(len(seq.token_ids) - (cached.num_tokens if cached else 0), budget)
-            if self.config.long_prefill_token_threshold:
-                n = min(n, self.config.long_prefill_token_threshold)
-            new = None
-            if n > 0:
-                new = self.kv.allocate_slots(seq, n, cached)
-            if new is None and done:
-                # A later sequence of a forked request being recomputed. The earlier ones keep
-                # their blocks (new full blocks are already in the prefix cache, so they must be
-                # computed this step); this one takes its cached blocks now and computes the
-                # rest in later steps, like a chunked prefill.
-                n = 0
-                new = self.kv.allocate_slots(seq, 0, cached)
-            if new is None:
-                for s, start, _, _ in done:
-                    self.kv.uncache_from(s.seq_id, start)  # registered, never computed
-                    self.kv.free(s.seq_id)
-                return None
-            done.append((seq, seq.num_computed_tokens - n, n, new))
-            budget -= n
-        if request.num_cached_tokens is None:  # vLLM's count: the first admission's hits
-            request.num_cached_tokens = done[0][1] if done else 0
-        return done
-
     def _emit(self, request: Request, seq: Sequence, start: int, n: int, new: NewBlocks,
               plan: StepPlan, drafts: tuple[list[int], int] | None = None) -> None:
         """Put one sequence's chunk in the plan (and, the first time, the sequence itself)."""
@@ -476,136 +336,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self._ignored.append(request)
 
-    def reserve_tokens(self, request: Request) -> int:
-        """Prompt + max_tokens, capped at max_model_len: what a contiguous reservation holds."""
-        return request.num_prompt_tokens + self._max_tokens(request)
-
-    def _max_tokens(self, request: Request) -> int:
-        limit = self.config.max_model_len - request.num_prompt_tokens
-        mt = request.params.max_tokens
-        return limit if mt is None else min(mt, limit)
-
-    # ---- update ---------------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, out: RunnerOutput) -> list[RequestUpdate]:
-        """Append what the runner sampled, finish what tokens alone finish (EOS, stop token ids,
-        length: their blocks go back at once), take the beam steps; one update per request."""
-        self.kv.tier_io_done(out.saved_blocks)
-        now = time.monotonic()
-        updates: dict[str, RequestUpdate] = {}
-
-        def update(request: Request) -> RequestUpdate:
-            u = updates.get(request.request_id)
-            if u is None:
-                u = updates[request.request_id] = RequestUpdate(request)
-            return u
-
-        for chunk in plan.chunks:  # what the step computed may now be found (state snapshots)
-            self.kv.commit_step(chunk.seq_id)
-        for request in self._ignored:
-            update(request)
-        self._ignored.clear()
-        beam_requests: dict[str, Request] = {}
-        for chunk in plan.chunks:
-            seq = self.seqs[chunk.seq_id]
-            request = seq.request
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            if chunk.context_len <= seq.num_prompt_tokens:
-                self.num_prompt_tokens_total += len(chunk.token_ids)
-            if chunk.prompt_logprobs:
-                update(request).prompt_logprobs = (chunk.start_pos,
-                                                   out.prompt_logprobs[chunk.seq_id])
-            for seq_id in chunk.sample_seq_ids:
-                sampled = self.seqs[seq_id]
-                tokens = out.sampled_token_ids[seq_id]
-                logprobs = out.logprobs.get(seq_id)
-                if request.beam is not None:
-                    assert logprobs is not None, "beams sample with logprobs"
-                    request.beam.pending[seq_id] = logprobs[0]
-                    beam_requests[request.request_id] = request
-                else:
-                    update(request).seqs.append(self._append(sampled, tokens, logprobs))
-                    if sampled.draft is not None and self.speculator is not None:
-                        self.speculator.record(sampled.draft, chunk.num_draft_tokens, tokens)
-                if chunk.num_draft_tokens:  # the accepted drafts' slots are computed tokens
-                    self.kv.accept_lookahead(seq_id, len(tokens) - 1)
-        for request in beam_requests.values():
-            if all(b.seq_id in request.beam.pending for b in request.live_seqs):
-                self._beam_step(request)
-                update(request).beam_step = True
-        for chunk in plan.chunks:  # sliding windows: what no later query sees goes back now
-            self.kv.free_out_of_window(chunk.seq_id)
-            for seq_id in chunk.sample_seq_ids:
-                if seq_id != chunk.seq_id:
-                    self.kv.free_out_of_window(seq_id)
-        return list(updates.values())
-
-    def _append(self, seq: Sequence, tokens: list[int],
-                logprobs: list | None) -> SeqUpdate:
-        request = seq.request
-        taken: list[int] = []
-        for token in tokens:
-            seq.append_token(token)
-            taken.append(token)
-            if seq.grammar is not None:
-                if not seq.grammar.consume_token(token):
-                    # the mask allowed only tokens the grammar takes: this happens only when
-                    # nothing was allowed (allowed_token_ids outside the grammar) or the
-                    # grammar hit a limit; never pass off such output as following it
-                    error = seq.grammar.get_error().strip().splitlines()
-                    seq.finish_reason = "abort"
-                    seq.stop_reason = ("structured output error: "
-                                       f"{error[0] if error else 'token not allowed'}")
-                    break
-                if token == request.eos_token_id and not request.params.ignore_eos:
-                    # the grammar is complete and allowed only EOS: it wins over min_tokens
-                    seq.finish_reason, seq.stop_reason = "stop", None
-                    break
-            stop = check_token_stop(request.params, seq.output_token_ids, request.eos_token_id,
-                                    seq.num_prompt_tokens, self.config.max_model_len)
-            if stop is not None:
-                seq.finish_reason, seq.stop_reason = stop.finish_reason, stop.stop_reason
-                break
-        self.num_generation_tokens_total += len(taken)
-        if seq.is_finished:
-            self._finish_seq(seq)
-        return SeqUpdate(seq, taken, logprobs[: len(taken)] if logprobs is not None else None)
-
-    def _beam_step(self, request: Request) -> None:
-        beams = len(request.live_seqs)
-        born, died = beam_search.advance(request, self.kv)
-        self.num_generation_tokens_total += beams
-        for seq in died:
-            self._release(seq)
-        for seq in born:
-            self.seqs[seq.seq_id] = seq
-        if request.beam is not None and request.beam.done:
-            for seq in request.seqs:
-                self._release(seq)
-            if request in self.running:
-                self.running.remove(request)
-            request.status = RequestStatus.FINISHED
-
-    def request_ids_of(self, plan: StepPlan) -> list[str]:
-        ids = {self.seqs[c.seq_id].request.request_id for c in plan.chunks if c.seq_id in self.seqs}
-        return sorted(ids)
-
-    def step_failed(self, plan: StepPlan) -> None:
-        """The runner raised: blocks handed out for this step were registered in the prefix
-        cache but never computed, so nobody may hit them (the caller aborts the requests)."""
-        for chunk in plan.chunks:
-            self.kv.uncache_from(chunk.seq_id, chunk.start_pos)
-        self.kv.tier_io_failed()  # so were blocks it was to load from the KV tier
-        self._dropped.extend(plan.finished_seq_ids)  # the runner may not have seen them
-
     # ---- freeing --------------------------------------------------------------------------
-    def _finish_seq(self, seq: Sequence) -> None:
-        self._release(seq)
-        request = seq.request
-        if request.is_finished and request in self.running:
-            self.running.remove(request)
-            request.status = RequestStatus.FINISHED
-
     def _release(self, seq: Sequence) -> None:
         """A sequence is done for good: its blocks go back, the runner forgets it."""
         self.kv.free(seq.seq_id)

@@ -5,7 +5,8 @@ equal prefixes, not just equal blocks. The digest is 128-bit blake2b over a fixe
 (16-byte parent digest, the tokens as int64, then repr(extra_key)), which makes accidental
 collisions vanishingly rare; the block pool still verifies token ids, extra key and parent
 identity on every hit, so even a colliding digest can never hand out the wrong KV (except at
-the first block of a sliding-window hit where every layer slides: see kv_manager.py).
+the first block of a sliding-window hit where every layer slides: see kv_tier_io.py and
+prefix_cache.py).
 
 A hasher's `seed` names what the blocks hold beyond their tokens, the KV cache's storage format
 (`kv_cache_dtype`): it replaces the all-zero parent of a sequence's first block, so every hash

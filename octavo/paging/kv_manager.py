@@ -4,7 +4,9 @@ KVCacheManager holds every sequence's block tables and owns the parts it calls t
 public methods: the prefix cache (prefix_cache.py), the swap space (swap_space.py), the
 groups' window geometry (group_windows.py) and, where there is one, the KV tier below the
 pool (tier/kv_tier.py); its stats and invariants are functions over its public state
-(kv_audit.py).
+(kv_audit.py). This module is its allocation; two parts of the class have modules of their
+own, which it inherits: what is done with a sequence's tables as a whole once they exist
+(fork, free, swap, read them: kv_tables.py) and its side of the KV tier (kv_tier_io.py).
 
 The scheduler's side of the contract, on vLLM v1's lines: `get_computed_blocks(seq)` finds a
 new sequence's cached prefix (a pure query), then one `allocate_slots(seq, n, cached)` either
@@ -29,7 +31,7 @@ flattened batch does this per layer).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -38,6 +40,8 @@ from octavo.paging.block_pool import BlockPool, KVBlock, OutOfKVBlocks
 from octavo.paging.group_windows import GroupWindows
 from octavo.paging.kv_audit import check_invariants, kv_stats
 from octavo.paging.kv_seq import KVSeq
+from octavo.paging.kv_tables import KVTables
+from octavo.paging.kv_tier_io import KVTierIO
 from octavo.paging.prefix_cache import PrefixCache
 from octavo.paging.seq_blocks import SeqBlocks, cdiv
 from octavo.paging.state_slots import StateSlots
@@ -47,7 +51,7 @@ from octavo.paging.tier.kv_tier import KVTier, TierBlock
 __all__ = ["KVCacheManager", "OutOfKVBlocks"]
 
 
-class KVCacheManager:
+class KVCacheManager(KVTables, KVTierIO):
     """Paged KV cache: per-sequence block tables over shared, ref-counted physical blocks.
 
     With prefix caching on, every block that fills is registered under its sequence's block
@@ -303,40 +307,6 @@ class KVCacheManager:
             self.prefix_cache.count_hit(seq, num_cached)
         return self._new_blocks(state, [0] * self.num_groups, state_changed=True)
 
-    def _read_tier(self, seq: KVSeq, hits: list[list], from_tier: list[tuple[int, int]]
-                   ) -> list[memoryview] | None:
-        """The checked payloads of a prefix's tier blocks, in `from_tier`'s order, or None when
-        one failed to load (the tier forgets it, so the next lookup stops before it)."""
-        if not from_tier:
-            return []
-        assert self.tier is not None
-        return self.tier.read([hits[g][i].key for g, i in from_tier],
-                              [self.prefix_cache.block_tokens(seq, i) for _, i in from_tier])
-
-    def _register_loaded(self, state: SeqBlocks, from_tier: list[tuple[int, int]],
-                         payloads: list[memoryview]) -> None:
-        """Index the fresh blocks a tier hit fills (in group order: a sliding group's blocks
-        chain onto the anchor's) and queue their loads."""
-        assert self.tier is not None
-        cache, seq, bs = self.prefix_cache, state.seq, self.block_size
-        loaded = dict(zip(from_tier, payloads, strict=True))
-        for g in self.groups.order:
-            for i, blk in enumerate(state.blocks[g]):
-                payload = loaded.get((g, i))
-                if payload is None:
-                    continue
-                assert blk is not None
-                self.block_pool.set_filled(blk, bs)
-                parent = cache.parent_key(state, g, i)
-                if parent is None and self.groups.anchor is None:
-                    # every group slides and this block opens the window: as for a pool hit
-                    # there, its digest alone names the prefix before it
-                    parent = 0
-                state.chain_keys[g][i] = cache.record_full_block(
-                    blk, cache.key(seq.block_hashes[i], g), cache.block_tokens(seq, i),
-                    parent, seq)
-                self.tier.add_load(blk.block_id, payload)
-        self.tier.hit_tokens += len({i for _, i in from_tier}) * bs
 
     def _grow(self, state: SeqBlocks, num_new_tokens: int, lookahead: int = 0) -> NewBlocks | None:
         seq, pool, bs = state.seq, self.block_pool, self.block_size
@@ -430,142 +400,12 @@ class KVCacheManager:
         blk = state.blocks[group][n // self.block_size]
         return blk is not None and blk.ref_cnt > 1
 
-    def fork(self, parent_id: int, child: KVSeq) -> None:
-        """The child shares all of the parent's blocks; the first write into a shared block
-        copies it (see allocate_slots). The child arrives with the parent's tokens, block
-        hashes and computed-token count."""
-        parent = self._on_gpu(parent_id)
-        if parent.lookahead:
-            raise ValueError(f"sequence {parent_id} holds lookahead slots: accept them first")
-        if child.seq_id in self._seqs:
-            raise ValueError(f"sequence {child.seq_id} already has KV blocks")
-        if child.num_computed_tokens != parent.seq.num_computed_tokens:
-            raise ValueError(
-                f"fork of {parent_id}: the child counts {child.num_computed_tokens} computed "
-                f"tokens, the parent {parent.seq.num_computed_tokens}"
-            )
-        for table in parent.blocks:
-            for blk in table:
-                if blk is not None:
-                    self.block_pool.touch(blk)
-        state = SeqBlocks(child, [list(t) for t in parent.blocks],
-                          [list(k) for k in parent.chain_keys], trimmed=list(parent.trimmed))
-        if self.state is not None:
-            self.state.fork(parent, state)
-        self._seqs[child.seq_id] = state
-
-    def free(self, seq_id: int) -> None:
-        """Drop a sequence in any state; its computed-token count goes back to 0. Unknown ids are
-        ignored: a request aborted while waiting never had blocks. The tail is queued first so
-        the shareable prefix is evicted last."""
-        state = self._seqs.pop(seq_id, None)
-        if state is None:
-            return
-        if self.tier is not None and not state.swapped:
-            self._cancel_loads(state)
-        pool = self.cpu_pool if state.swapped else self.block_pool
-        for table in state.blocks:
-            pool.free(blk for blk in reversed(table) if blk is not None)
-        if self.state is not None:
-            self.state.free(state)
-        state.seq.num_computed_tokens = 0
-
-    def _cancel_loads(self, state: SeqBlocks) -> None:
-        """Blocks of a sequence freed before the step that was to load them from the tier ran:
-        no load, and nobody may hit them (a sequence that hit them too keeps them loaded)."""
-        assert self.tier is not None
-        for table in state.blocks:
-            for blk in table:
-                if blk is not None and blk.ref_cnt == 1 and self.tier.has_pending_load(
-                        blk.block_id):
-                    self.tier.cancel_load(blk.block_id)
-                    self.block_pool.uncache(blk)
-
-    def uncache_from(self, seq_id: int, num_tokens: int) -> None:
-        """Forget the prefix-cache entries of this sequence's blocks holding tokens at or after
-        `num_tokens`: they were registered when their slots were handed out, and the step that
-        was to compute them failed, so nobody may hit them. Call before freeing the sequence."""
-        state = self._seqs.get(seq_id)
-        if state is None or state.swapped:
-            return
-        keep = num_tokens // self.block_size
-        for table, keys in zip(state.blocks, state.chain_keys, strict=True):
-            for blk in table[keep:]:
-                if blk is not None and blk.ref_cnt == 1:  # shared: computed by someone else
-                    self.block_pool.uncache(blk)
-            del keys[keep:]
-        if self.state is not None:
-            self.state.drop_pending(state)
-
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies (src, dst), handed over once."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    # -- the KV tier ----------------------------------------------------------------------------
-    def take_tier_io(self) -> tuple[list[int], list[tuple[int, memoryview]]]:
-        """This plan's tier traffic, handed over once: the block ids whose bytes the runner
-        copies out before anything else, and the (block id, payload) it writes in before the
-        forward pass (tier/kv_tier.py)."""
-        if self.tier is None:
-            return [], []
-        return self.tier.take_io()
-
-    def tier_io_done(self, saved: Sequence[bytes]) -> None:
-        """The step ran: the bytes the runner copied out, in the plan's order, go to the
-        tier's writer."""
-        if self.tier is not None:
-            self.tier.io_done(saved)
-
-    def tier_io_failed(self) -> None:
-        """The step raised: the blocks it was to load hold unknown bytes, so nobody may hit
-        them (the caller aborts the sequences holding them)."""
-        if self.tier is None:
-            return
-        for block_id in self.tier.io_failed():
-            self.block_pool.uncache(self.block_pool.blocks[block_id])
-
-    def has_tier_saves(self) -> bool:
-        """Blocks wait for a step to copy them out (an idle engine runs one for them)."""
-        return self.tier is not None and self.tier.has_pending_saves
-
-
     # -- queries --------------------------------------------------------------------------------
-    def block_table(self, seq_id: int) -> list[int]:
-        """Group 0's block table (freed out-of-window entries read the null block)."""
-        return self.block_tables(seq_id)[0]
-
-    def block_tables(self, seq_id: int) -> list[list[int]]:
-        """Every group's table; with recurrent layers the state group's last: [its slot]."""
-        null = self.null_block_id
-        state = self._on_gpu(seq_id)
-        tables = [[null if blk is None else blk.block_id for blk in table]
-                  for table in state.blocks]
-        if self.state is not None:
-            assert state.state is not None
-            tables.append([state.state.block_id])
-        return tables
-
-    def held_tables(self, seq_id: int) -> tuple[bool, list[list[int]]] | None:
-        """(swapped, block tables) of a sequence holding blocks, else None: device block ids,
-        or host block ids while swapped out; a freed out-of-window entry reads -1."""
-        state = self._seqs.get(seq_id)
-        if state is None:
-            return None
-        return state.swapped, [[-1 if blk is None else blk.block_id for blk in table]
-                               for table in state.blocks]
-
-    def tail_blocks(self) -> Iterator[tuple[bool, KVBlock]]:
-        """(swapped, block) for every block a sequence holds past its last full one: the only
-        blocks in use that can be partly filled."""
-        bs = self.block_size
-        for state in self._seqs.values():
-            first = state.seq.num_computed_tokens // bs
-            for table in state.blocks:
-                for blk in table[first:]:
-                    if blk is not None:
-                        yield state.swapped, blk
-
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
@@ -577,56 +417,3 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         check_invariants(self)
-
-    # -- swap -----------------------------------------------------------------------------------
-    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
-        """Move a group of sequences to host blocks and return the (device block, host block)
-        copies, or None (nothing moves) when the host pool is too small. A block shared inside
-        the group is copied once and stays shared; its device copy stays prefix-cached."""
-        states = self._group(seq_ids, swapped=False)
-        for state in states:
-            if state.lookahead:
-                raise ValueError(f"sequence {state.seq.seq_id} holds lookahead slots: accept "
-                                 "them first")
-        for state in states:
-            self.free_out_of_window(state.seq.seq_id)  # nothing to carry that nobody reads
-        if self.state is not None and not self.state.can_swap(states, out=True):
-            return None
-        copies = self.swap_space.swap_out(states)
-        if copies is not None and self.state is not None:
-            self.state.swap(states, out=True)
-        return copies
-
-    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]] | None:
-        """Bring a swapped group back and return the (host block, device block) copies, or
-        None (nothing moves) when the free device blocks do not suffice."""
-        states = self._group(seq_ids, swapped=True)
-        if self.state is not None and not self.state.can_swap(states, out=False):
-            return None
-        copies = self.swap_space.swap_in(states)
-        if copies is not None and self.state is not None:
-            self.state.swap(states, out=False)
-        return copies
-
-    # -- helpers --------------------------------------------------------------------------------
-    def _get(self, seq_id: int) -> SeqBlocks:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise KeyError(f"sequence {seq_id} has no KV blocks") from None
-
-    def _on_gpu(self, seq_id: int) -> SeqBlocks:
-        state = self._get(seq_id)
-        if state.swapped:
-            raise ValueError(f"sequence {seq_id} is swapped out; swap it in first")
-        return state
-
-    def _group(self, seq_ids: Sequence[int], *, swapped: bool) -> list[SeqBlocks]:
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"duplicate sequence ids in {list(seq_ids)}")
-        states = [self._get(s) for s in seq_ids]
-        for seq_id, state in zip(seq_ids, states, strict=True):
-            if state.swapped != swapped:
-                what = "already swapped out" if state.swapped else "not swapped out"
-                raise ValueError(f"sequence {seq_id} is {what}")
-        return states
