@@ -20,8 +20,13 @@ from octavo.model.quant.block_quant import (
     BlockQuantLinear,
     pack_nibbles,
 )
-
-from .test_block_quant import ISAS, assert_matches, ops_for, random_weights, reference
+from tests.model.quant.block_quant_helpers import (
+    ISAS,
+    assert_matches,
+    ops_for,
+    random_weights,
+    reference,
+)
 
 KINDS = {"q4_1": INT4, "q8_0": INT8, "q5_0": INT5}
 TILE_ROWS = (17, 18, 21, 64)  # 17: the first batch the tiles take; MT = 4 tiles and 1-row tails
