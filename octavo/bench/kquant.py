@@ -187,7 +187,17 @@ def prefill_32(ops: Any, name: str, repeats: int, gen: torch.Generator) -> list[
             lambda: [b._tiled(x) for b, x in zip(layers, xs, strict=True)],
         "oneDNN fp32 GEMM": lambda: [_gemm(x, w, None) for w, x in zip(fp32, xs, strict=True)],
     }
+    if ops.block_tiles_path() == "avx512_vnni":  # what an AVX-512 CPU without VNNI takes
+        ways["AVX2 tiles (VNNI off)"] = lambda: _without_vnni(ops, ways["the engine's"])
     return _time_ways(ways, flops, repeats)
+
+
+def _without_vnni(ops: Any, fn: Any) -> Any:
+    was = ops.block_tiles_set_vnni(False)
+    try:
+        return fn()
+    finally:
+        ops.block_tiles_set_vnni(was)
 
 
 def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
@@ -200,7 +210,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
     threads_was = torch.get_num_threads()
     bandwidth = {}
     results: dict[str, Any] = {"kernel": ops.kquant_kernel(), "isa": ops.isa(),
-                               "int8_tiles_32": bool(ops.block_int8_tiles())}
+                               "int8_tiles_32": bool(ops.block_int8_tiles()),
+                               "tiles_32_path": ops.block_tiles_path()}
     try:
         for threads in THREADS:
             torch.set_num_threads(threads)
@@ -247,7 +258,8 @@ def run(opts: BenchOptions) -> tuple[BenchResult, Any]:
         by = {(r["threads"], r["way"]): r["gflop_s"] for r in results[name]["prefill"]}
         for (threads, way), g in by.items():
             srow.append([name, threads, way, g, g / by[(threads, "oneDNN fp32 GEMM")]])
-    engine_way = (f"integer tiles ({results['isa']} build)" if results["int8_tiles_32"]
+    engine_way = (f"integer tiles ({results['tiles_32_path']}, {results['isa']} build)"
+                  if results["int8_tiles_32"]
                   else "widened tiles + oneDNN fp32")
     md += (f"\n\nPrefill of the 32-weight formats, {PREFILL_ROWS} rows through Gemma 3 270M's "
            f"q, k, v and gate_up shapes (the engine's way here: {engine_way}):\n\n"

@@ -13,8 +13,9 @@
 - `block_linear`, `block_dequantize`: linear layers whose weights stay in 4-, 5- or 8-bit
   blocks (GGUF Q4_0/Q4_1/Q5_0/Q8_0, int4; block_quant.py); decode-sized batches on the register
   kernels (block_idot.h on int8 activations), and, on int8 activations, batches of 17 rows or
-  more in integer tiles (block_tile.h on AVX512-VNNI, block_tile_avx2.h; `block_int8_tiles`
-  says whether this build has them).
+  more in integer tiles (block_tile.h on AVX512-VNNI, block_tile_avx2.h in the AVX2 build and
+  in the AVX-512 build on a CPU without VNNI; `block_int8_tiles` says whether this build has
+  them, `block_tiles_path` which run, `block_tiles_set_vnni` is the AVX-512 build's A/B).
 - `kquant_linear`, `kquant_dequantize`: the same for GGUF's K-quant super-blocks (Q4_K, Q5_K,
   Q6_K) on integer dot products, the AVX-512 build taking AVX512-VNNI where the CPU has it;
   from 8 rows on in tiles of 8 activation rows (kquant_tile.h), each row's bits unchanged;

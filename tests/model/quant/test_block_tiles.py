@@ -1,9 +1,10 @@
 """The integer tiles that compute prefill-sized batches of the 32-weight formats on int8
 activations (GGUF's Q8_0, Q5_0, Q4_0/Q4_1 at 17 rows or more: csrc/block_tile.h in the AVX-512
-build on a CPU with avx512_vnni, block_tile_avx2.h in the AVX2 build), each build this CPU
-runs: against the dequantize-then-matmul reference on the kernel's own quantized activations,
-against the register kernels row by row, on extreme values, and a row's bits in batches of any
-size the tiles take."""
+build on a CPU with avx512_vnni, block_tile_avx2.h in the AVX2 build and in the AVX-512 build
+without it, `avx512-no-vnni` here, its VNNI tiles turned off), each build this CPU runs:
+against the dequantize-then-matmul reference on the kernel's own quantized activations, against
+the register kernels row by row, on extreme values, and a row's bits in batches of any size the
+tiles take."""
 
 from __future__ import annotations
 
@@ -33,25 +34,61 @@ TILE_ROWS = (17, 18, 21, 64)  # 17: the first batch the tiles take; MT = 4 tiles
 
 
 TILE_ISAS = [isa for isa in ISAS if isa != "portable"]
+# each tile path: the builds, and the AVX-512 build on the AVX2 tiles (a CPU without VNNI's)
+TILE_PATHS = [*TILE_ISAS, *(["avx512-no-vnni"] if "avx512" in ISAS else [])]
 
 
-def tiles_ops(isa: str):
+@pytest.fixture(autouse=True)
+def _vnni_tiles_back_on():
+    yield
+    if "avx512" in ISAS:
+        ops_for("avx512").block_tiles_set_vnni(True)
+
+
+def tiles_ops(path: str):
+    isa, _, variant = path.partition("-")
     ops = ops_for(isa)
+    if isa == "avx512":
+        ops.block_tiles_set_vnni(variant != "no-vnni")
     if not ops.block_int8_tiles():
-        pytest.skip(f"the {isa} build has no integer tiles on this CPU (AVX-512 without "
-                    "avx512_vnni): the widened tiles + GEMM take these batches")
+        pytest.skip(f"the {isa} build has no integer tiles")
     return ops
 
 
 def test_which_builds_have_the_tiles():
     for isa in ISAS:
         ops = ops_for(isa)
-        assert ops.block_int8_tiles() == (isa == "avx2" or (isa == "avx512" and "avx512_vnni"
-                                                            in cpu_flags())), isa
+        assert ops.block_int8_tiles() == (isa != "portable"), isa
+    if "avx512" in ISAS:
+        ops = ops_for("avx512")
+        vnni = "avx512_vnni" in cpu_flags()
+        assert ops.block_tiles_path() == ("avx512_vnni" if vnni else "avx2")
+        assert ops.block_tiles_set_vnni(False) is True  # on by default
+        assert ops.block_tiles_path() == "avx2"
+        assert ops.block_tiles_set_vnni(True) is False
+        assert ops.block_tiles_path() == ("avx512_vnni" if vnni else "avx2")
+    if "avx2" in ISAS:
+        assert ops_for("avx2").block_tiles_path() == "avx2"
 
 
 @pytest.mark.parametrize("fmt", list(KINDS))
-@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_the_avx512_build_without_vnni_gives_the_avx2_builds_bits(fmt):
+    """On a CPU without avx512_vnni the AVX-512 build takes block_tile_avx2.h's tiles: the
+    same integer sums and fp32 steps as the AVX2 build, so the same bits."""
+    if not {"avx512", "avx2"} <= set(ISAS):
+        pytest.skip("needs the AVX-512 and AVX2 builds")
+    wide, narrow = tiles_ops("avx512-no-vnni"), tiles_ops("avx2")
+    kind = KINDS[fmt]
+    gen = torch.Generator().manual_seed(7 + list(KINDS).index(fmt))
+    for k, n, m in ((288, 33, 17), (640, 130, 64), (1536, 17, 21)):
+        q, scale, mins = random_weights(kind, n, k, 32, gen)
+        x, bias = torch.randn(m, k, generator=gen) * 2, torch.randn(n, generator=gen)
+        assert torch.equal(wide.block_linear(x, kind, q, scale, mins, 32, bias, True),
+                           narrow.block_linear(x, kind, q, scale, mins, 32, bias, True))
+
+
+@pytest.mark.parametrize("fmt", list(KINDS))
+@pytest.mark.parametrize("isa", TILE_PATHS)
 def test_tiles_equal_the_dequantized_matmul(isa, fmt):
     ops = tiles_ops(isa)
     kind = KINDS[fmt]
@@ -75,7 +112,7 @@ def test_tiles_equal_the_dequantized_matmul(isa, fmt):
 
 
 @pytest.mark.parametrize("fmt", list(KINDS))
-@pytest.mark.parametrize("isa", TILE_ISAS)
+@pytest.mark.parametrize("isa", TILE_PATHS)
 def test_tile_rows_agree_with_the_register_kernels_and_keep_their_bits(isa, fmt):
     """The tiles' integer sums are the register kernels' (only the fp32 sum order differs),
     and a row's result is the same bits in every batch the tiles take."""
@@ -95,7 +132,7 @@ def test_tile_rows_agree_with_the_register_kernels_and_keep_their_bits(isa, fmt)
         assert torch.equal(part, batch[lo:hi]), (lo, hi)
 
 
-@pytest.mark.parametrize("isa", TILE_ISAS)
+@pytest.mark.parametrize("isa", TILE_PATHS)
 def test_tiles_on_extreme_values(isa):
     """Every byte value including -128 (its start, -128 * sum(w), and unsigned activations up
     to 255 must not overflow), full-range activations of both signs, 5-bit extremes, 4-bit
@@ -125,7 +162,7 @@ def test_tiles_on_extreme_values(isa):
     assert_matches(got, reference(INT4, q4, scale, mins, 32, x, None, True))
 
 
-@pytest.mark.parametrize("isa", TILE_ISAS)
+@pytest.mark.parametrize("isa", TILE_PATHS)
 def test_block_linear_takes_prefill_batches_in_the_tiles(isa, monkeypatch):
     """BlockQuantLinear sends a GGUF 32-weight layer's prefill batch to the tiles, not through
     the widened weight rows + GEMM, where the compiled ops have them."""

@@ -47,6 +47,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group"), py::arg("bias"), py::arg("int8_activations") = false);
   m.def("block_int8_tiles", &block_int8_tiles,
         "whether block_linear takes prefill-sized batches on int8 activations in integer tiles");
+  m.def("block_tiles_path", &block_tiles_path,
+        "the integer tiles block_linear takes here: avx512_vnni, avx2 or none");
+  m.def("block_tiles_set_vnni", &block_tiles_set_vnni,
+        "AVX-512 build: allow its VNNI tiles (else the AVX2 ones); returns the previous setting",
+        py::arg("enabled"));
   m.def("block_dequantize", &block_dequantize, "rows of a block-quantized weight as float32",
         py::arg("kind"), py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"),
         py::arg("row_begin"), py::arg("row_end"), py::arg("out") = py::none());

@@ -19,10 +19,12 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -374,8 +376,33 @@ inline void block_values(const Weights& W, int64_t n, int64_t b, int8_t* w) {
 
 #if defined(__AVX512F__)
 #include "block_tile.h"
-#elif defined(__AVX2__)
+#define BLOCK_TILE_AVX2_NS tiles_avx2
 #include "block_tile_avx2.h"
+#undef BLOCK_TILE_AVX2_NS
+
+// the AVX-512 build's tiles: the 512-bit VNNI ones where the CPU has avx512_vnni (and
+// block_tiles_set_vnni has not turned them off), else the AVX2 ones
+namespace tiles {
+
+static_assert(tiles_vnni::kMinRows == tiles_avx2::kMinRows);
+constexpr int64_t kMinRows = tiles_vnni::kMinRows;
+std::atomic<bool> vnni_enabled{true};  // block_tiles_set_vnni: the benchmarks' and tests' A/B
+
+bool vnni() { return vnni_enabled.load() && tiles_vnni::available(); }
+bool available() { return true; }
+
+void run(const Weights& W, const float* x, int64_t M, int64_t N, float* out, const float* bias) {
+  if (vnni())
+    tiles_vnni::run(W, x, M, N, out, bias);
+  else
+    tiles_avx2::run(W, x, M, N, out, bias);
+}
+
+}  // namespace tiles
+#elif defined(__AVX2__)
+#define BLOCK_TILE_AVX2_NS tiles
+#include "block_tile_avx2.h"
+#undef BLOCK_TILE_AVX2_NS
 #endif
 
 Weights check_weights(int64_t kind, const at::Tensor& q, const at::Tensor& scale,
@@ -455,6 +482,25 @@ bool block_int8_tiles() {
 #if defined(__AVX2__)
   return tiles::available();
 #else
+  return false;
+#endif
+}
+
+std::string block_tiles_path() {
+#if defined(__AVX512F__)
+  return tiles::vnni() ? "avx512_vnni" : "avx2";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "none";
+#endif
+}
+
+bool block_tiles_set_vnni(bool enabled) {
+#if defined(__AVX512F__)
+  return tiles::vnni_enabled.exchange(enabled);
+#else
+  (void)enabled;
   return false;
 #endif
 }

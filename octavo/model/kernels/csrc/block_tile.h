@@ -19,12 +19,13 @@
 // of the fp32 sums differs, as it did for the widened tiles + GEMM this path replaces.
 //
 // Included by block_linear.cpp in its anonymous namespace, AVX-512 build, after Weights,
-// with_kind, block_values and half_to_float.
+// with_kind, block_values and half_to_float; the build's `tiles` take these where the CPU has
+// avx512_vnni and block_tile_avx2.h's otherwise.
 
 #pragma GCC push_options
 #pragma GCC target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")
 
-namespace tiles {
+namespace tiles_vnni {
 
 constexpr int kLanes = 16;        // weight rows per vector (one per int32 lane)
 constexpr int kG = 2, kMT = 4;    // 16-row groups x activation rows per tile
@@ -199,6 +200,6 @@ void run(const Weights& W, const float* x, int64_t M, int64_t N, float* out, con
   });
 }
 
-}  // namespace tiles
+}  // namespace tiles_vnni
 
 #pragma GCC pop_options

@@ -11,10 +11,12 @@
 // block_tile.h's: acc += float(sum) * (dw * dx) (+ mw * xs), 8 rows' outputs stored at once.
 // The activations are quantize_x's (the same xq, dx and xs as the register kernels).
 //
-// Included by block_linear.cpp in its anonymous namespace, AVX2 build without AVX-512, after
-// Weights, QuantX, quantize_x, with_kind, block_values and half_to_float.
+// Included by block_linear.cpp in its anonymous namespace after Weights, QuantX, quantize_x,
+// with_kind, block_values and half_to_float, into BLOCK_TILE_AVX2_NS: the AVX2 build's `tiles`,
+// and the AVX-512 build's `tiles_avx2`, which its `tiles` take on a CPU without avx512_vnni
+// (every AVX-512 CPU runs vpmaddubsw).
 
-namespace tiles {
+namespace BLOCK_TILE_AVX2_NS {
 
 constexpr int kLanes = 8;         // weight rows per vector
 constexpr int kMT = 4;            // activation rows per tile
@@ -177,4 +179,4 @@ void run(const Weights& W, const float* x, int64_t M, int64_t N, float* out, con
   });
 }
 
-}  // namespace tiles
+}  // namespace BLOCK_TILE_AVX2_NS

@@ -87,9 +87,14 @@ at::Tensor block_linear(at::Tensor x, int64_t kind, at::Tensor q, at::Tensor sca
                         c10::optional<at::Tensor> bias, bool int8_activations);
 
 // whether block_linear computes batches of 17 rows or more on int8 activations (group 32) in
-// its integer tiles (block_tile.h: AVX-512 VNNI; block_tile_avx2.h: the AVX2 build); else they
-// take the widened tiles + GEMM (Python)
+// its integer tiles (block_tile.h: AVX-512 VNNI; block_tile_avx2.h: the AVX2 build, and the
+// AVX-512 build on a CPU without avx512_vnni); else they take the widened tiles + GEMM (Python)
 bool block_int8_tiles();
+// which tiles those are here: "avx512_vnni", "avx2" or "none" (the portable build)
+std::string block_tiles_path();
+// the AVX-512 build: whether its VNNI tiles may run (on by default; off, it takes the AVX2
+// tiles, as on a CPU without avx512_vnni); returns the previous setting (false elsewhere)
+bool block_tiles_set_vnni(bool enabled);
 
 // rows [row_begin, row_end) of such a weight widened to float32 (into `out` when given)
 at::Tensor block_dequantize(int64_t kind, at::Tensor q, at::Tensor scale,
