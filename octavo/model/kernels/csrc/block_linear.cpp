@@ -372,6 +372,33 @@ inline void block_values(const Weights& W, int64_t n, int64_t b, int8_t* w) {
     std::memcpy(w, W.q + n * W.K + b * 32, 32);
   }
 }
+
+// the tiles' unpack: weight rows [n0, n0 + rows) in groups of LANES, one row per int32 lane:
+// per group and block 8 vectors of 4 * LANES bytes (vector v: bytes 4v..4v+3 of each row's
+// block), and per lane the block's scale and the 4-bit kind's min; rows past the end zero.
+// each(w, at) sees a block's block_values first, and may change them (the tile's operand) or
+// note per-lane terms at index `at`.
+template <int KIND, int LANES, typename Each>
+void unpack_lanes(const Weights& W, int64_t n0, int64_t rows, uint8_t* q, float* dw, float* mw,
+                  Each&& each) {
+  const int64_t nb = W.K / 32, groups = (rows + LANES - 1) / LANES;
+  std::memset(q, 0, groups * nb * 32 * LANES);
+  std::memset(dw, 0, groups * nb * LANES * sizeof(float));
+  if (KIND == 0) std::memset(mw, 0, groups * nb * LANES * sizeof(float));
+  alignas(32) int8_t w[32];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = n0 + r, g = r / LANES, lane = r % LANES;
+    for (int64_t b = 0; b < nb; ++b) {
+      block_values<KIND>(W, n, b, w);
+      const int64_t at = (g * nb + b) * LANES + lane;
+      each(w, at);
+      uint8_t* dst = q + (g * nb + b) * 32 * LANES + 4 * lane;
+      for (int v = 0; v < 8; ++v) std::memcpy(dst + 4 * LANES * v, w + 4 * v, 4);
+      dw[at] = half_to_float(W.scale[n * nb + b]);
+      if (KIND == 0) mw[at] = half_to_float(W.mins[n * nb + b]);
+    }
+  }
+}
 #endif
 
 #if defined(__AVX512F__)

@@ -19,7 +19,7 @@
 // of the fp32 sums differs, as it did for the widened tiles + GEMM this path replaces.
 //
 // Included by block_linear.cpp in its anonymous namespace, AVX-512 build, after Weights,
-// with_kind, block_values and half_to_float; the build's `tiles` take these where the CPU has
+// with_kind, block_values, unpack_lanes and half_to_float; the build's `tiles` take these where the CPU has
 // avx512_vnni and block_tile_avx2.h's otherwise.
 
 #pragma GCC push_options
@@ -77,33 +77,18 @@ Acts quantize(const float* x, int64_t M, int64_t K) {
   return A;
 }
 
-// weight rows [n0, n0 + rows) in groups of 16, one row per int32 lane: per group and block,
-// 8 vectors (vector v: bytes 4v..4v+3 of each row's block), then per lane -128 * the block's
-// byte sum (where its sums start), the block's scale, and the 4-bit kind's min. The signed
-// bytes are the 4-bit kind's codes 0..15 and the 5-bit kind's x - 16; rows past the end zero.
+// weight rows [n0, n0 + rows) in groups of 16 (unpack_lanes), and per lane -128 * the block's
+// byte sum (where its sums start). The signed bytes are the 4-bit kind's codes 0..15 and the
+// 5-bit kind's x - 16; rows past the end zero.
 template <int KIND>
 void unpack(const Weights& W, int64_t n0, int64_t rows, uint8_t* q, int32_t* start, float* dw,
             float* mw) {
-  const int64_t nb = W.K / 32, groups = (rows + kLanes - 1) / kLanes;
-  std::memset(q, 0, groups * nb * 512);
-  std::memset(start, 0, groups * nb * kLanes * sizeof(int32_t));
-  std::memset(dw, 0, groups * nb * kLanes * sizeof(float));
-  if (KIND == 0) std::memset(mw, 0, groups * nb * kLanes * sizeof(float));
-  alignas(32) int8_t w[32];
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = n0 + r, g = r / kLanes, lane = r % kLanes;
-    for (int64_t b = 0; b < nb; ++b) {
-      block_values<KIND>(W, n, b, w);
-      uint8_t* dst = q + (g * nb + b) * 512 + 4 * lane;
-      int32_t sum = 0;
-      for (int v = 0; v < 8; ++v) std::memcpy(dst + 64 * v, w + 4 * v, 4);
-      for (int j = 0; j < 32; ++j) sum += w[j];
-      const int64_t at = (g * nb + b) * kLanes + lane;
-      start[at] = -128 * sum;
-      dw[at] = half_to_float(W.scale[n * nb + b]);
-      if (KIND == 0) mw[at] = half_to_float(W.mins[n * nb + b]);
-    }
-  }
+  std::memset(start, 0, (rows + kLanes - 1) / kLanes * (W.K / 32) * kLanes * sizeof(int32_t));
+  unpack_lanes<KIND, kLanes>(W, n0, rows, q, dw, mw, [start](const int8_t* w, int64_t at) {
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) sum += w[j];
+    start[at] = -128 * sum;
+  });
 }
 
 // G groups of 16 unpacked weight rows x MT activation rows, every block; the 16 results of a

@@ -12,7 +12,7 @@
 // The activations are quantize_x's (the same xq, dx and xs as the register kernels).
 //
 // Included by block_linear.cpp in its anonymous namespace after Weights, QuantX, quantize_x,
-// with_kind, block_values and half_to_float, into BLOCK_TILE_AVX2_NS: the AVX2 build's `tiles`,
+// with_kind, block_values, unpack_lanes and half_to_float, into BLOCK_TILE_AVX2_NS: the AVX2 build's `tiles`,
 // and the AVX-512 build's `tiles_avx2`, which its `tiles` take on a CPU without avx512_vnni
 // (every AVX-512 CPU runs vpmaddubsw).
 
@@ -53,29 +53,14 @@ Acts quantize(const float* x, int64_t M, int64_t K) {
   return A;
 }
 
-// weight rows [n0, n0 + rows) in groups of 8: per group and block 8 vectors of 32 bytes (the
-// 4-bit codes, the 5-bit x = w + 16, Q8_0's signed bytes), then the block's scale and the
-// 4-bit kind's min per lane; rows past the end zero
+// weight rows [n0, n0 + rows) in groups of 8 (unpack_lanes): the 4-bit codes, the 5-bit
+// x = w + 16 (vpmaddubsw's unsigned operand), Q8_0's signed bytes
 template <int KIND>
 void unpack(const Weights& W, int64_t n0, int64_t rows, uint8_t* q, float* dw, float* mw) {
-  const int64_t nb = W.K / 32, groups = (rows + kLanes - 1) / kLanes;
-  std::memset(q, 0, groups * nb * 256);
-  std::memset(dw, 0, groups * nb * kLanes * sizeof(float));
-  if (KIND == 0) std::memset(mw, 0, groups * nb * kLanes * sizeof(float));
-  alignas(32) int8_t w[32];
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = n0 + r, g = r / kLanes, lane = r % kLanes;
-    for (int64_t b = 0; b < nb; ++b) {
-      block_values<KIND>(W, n, b, w);
-      if (KIND == 5)  // vpmaddubsw's unsigned operand: x = w + 16
-        for (int j = 0; j < 32; ++j) w[j] = static_cast<int8_t>(w[j] + 16);
-      uint8_t* dst = q + (g * nb + b) * 256 + 4 * lane;
-      for (int v = 0; v < 8; ++v) std::memcpy(dst + 32 * v, w + 4 * v, 4);
-      const int64_t at = (g * nb + b) * kLanes + lane;
-      dw[at] = half_to_float(W.scale[n * nb + b]);
-      if (KIND == 0) mw[at] = half_to_float(W.mins[n * nb + b]);
-    }
-  }
+  unpack_lanes<KIND, kLanes>(W, n0, rows, q, dw, mw, [](int8_t* w, int64_t) {
+    if (KIND == 5)
+      for (int j = 0; j < 32; ++j) w[j] = static_cast<int8_t>(w[j] + 16);
+  });
 }
 
 // one group of 8 unpacked weight rows x MT activation rows, every block: 8 consecutive outputs
