@@ -175,8 +175,8 @@ def quality_part(opts: BenchOptions, texts: list[str], continuation: int) -> dic
                             detokenize=False)
     refs = [o.outputs[0].token_ids for o in base.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    out: dict[str, Any] = {"quality": {}, "model_dtype": base.engine.kernel_path()["dtype"],
-                           "kernel_path": base.engine.kernel_path(),
+    path = base.engine.kernel_path()
+    out: dict[str, Any] = {"quality": {}, "model_dtype": path["dtype"], "kernel_path": path,
                            "auto_kv_bytes_per_token": base.stats()["kv_bytes_per_token"]}
     # one engine at a time: a 1.5B model's fp32 weights (--quantization none) twice over
     # would not fit beside the log-probabilities on a small machine
