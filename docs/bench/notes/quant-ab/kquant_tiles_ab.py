@@ -2,6 +2,7 @@
 directory at OLD) against the working tree's (new), alternated in one process, at the
 Qwen2.5-Coder-1.5B layer shapes; asserts bit-identical outputs (row 0 scaled by 1000).
 Usage: PYTHONPATH=. OLD=/tmp/old python kquant_tiles_ab.py THREADS M[,M...] [SHAPE,...]
+(CLOSE=1: where the change moves the fp32 steps, outputs within 1e-5 relative instead of equal)
 (shapes: qkv gate_up down4 down6 v6 q5k). G/s counts 2 M N K integer ops."""
 import os
 import sys
@@ -44,7 +45,10 @@ for label, kind, n, k in (SHAPES[s] for s in names):
         x = torch.randn(m, k, generator=gen)
         x[0] *= 1000
         a, b = old.kquant_linear(x, kind, q, None), new.kquant_linear(x, kind, q, None)
-        assert torch.equal(a, b), (label, m, (a - b).abs().max())
+        if os.environ.get("CLOSE"):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item()), (label, m)
+        else:
+            assert torch.equal(a, b), (label, m, (a - b).abs().max())
         reps = 61 if m < 4 else (15 if m < 64 else 5)
 
         ta, tb = [], []

@@ -379,8 +379,10 @@ at::Tensor kquant_linear(at::Tensor x, int64_t kind, at::Tensor q,
             const float dx = X.d[r * nb + b];
             for (int64_t i = 0; i < 8; ++i) tdp[at * 64 + m * 8 + i] = dx;
             const int16_t* bs = X.bsums + r * (K / 16) + b * 16;
-            if (offp)
+            if (offp && vector_major)
               for (int64_t i = 0; i < 16; ++i) offp[at * 128 + (i / 8) * 64 + m * 8 + i % 8] = -32 * bs[i];
+            else if (offp)
+              q6_pair_offsets(X.q + r * K + b * 256, reinterpret_cast<int16_t*>(offp + at * 128) + m * 32);
             else
               for (int64_t i = 0; i < 8; ++i)
                 bxp[at * 64 + m * 8 + i] = static_cast<float>(bs[2 * i] + bs[2 * i + 1]) * dx;

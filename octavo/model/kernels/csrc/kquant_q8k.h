@@ -16,9 +16,10 @@ struct Q8K {
 // Full groups of 8 activation rows interleaved per super-block for kquant_tile.h: values in lane
 // order, on the VNNI path [G][nb][8 vectors][8 rows][32] (one 64-byte load holds two rows'
 // vector v), on the AVX2 path [G][nb][8 rows][256] (its tile reads each row's vectors in turn;
-// the VNNI order made it 0.7x as fast); dx [G][nb][8][8] (each row's dx 8 times); Q4_K / Q5_K
-// bx [G][nb][8][8], each sub-block's sum of 32 values times dx (the same fp32 product rows_dot
-// takes); Q6_K offset [G][nb][2][8][8], -32 times each sub-block's sum of 16 (half h: 8h..8h+7)
+// the VNNI order made it 0.7x as fast); dx [G][nb][8][8] (each row's dx 8 times); Q4_K / Q5_K bx [G][nb][8][8], each sub-block's sum of 32
+// values times dx (the same fp32 product rows_dot takes); Q6_K offset [G][nb][128 x 4 bytes]:
+// VNNI [2][8][8] int32, -32 times each sub-block's sum of 16 (half h: 8h..8h+7); AVX2 [8][2][16]
+// int16, q6_pair_offsets
 struct Q8KTile {
   int64_t nb;
   const int8_t* q;
@@ -26,6 +27,19 @@ struct Q8KTile {
   const float* bx;
   const int32_t* offset;
 };
+
+// Q6_K on the AVX2 tiles: for each half h of a super-block's 256 values in lane order (x) and
+// each int16 lane i of a vector, 32 * the sum over the half's 4 vectors of the pair x[2i],
+// x[2i + 1]: what vpmaddubsw would give for codes of 32, subtracted from the codes' int16 sums
+// (at most 4 * 2 * 32 * 127 = 32512)
+inline void q6_pair_offsets(const int8_t* x, int16_t* out) {
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 16; ++i) {
+      int s = 0;
+      for (int v = 4 * h; v < 4 * h + 4; ++v) s += x[32 * v + 2 * i] + x[32 * v + 2 * i + 1];
+      out[16 * h + i] = static_cast<int16_t>(32 * s);
+    }
+}
 
 
 // one row quantized per 256; lanes: each super-block's values in the lane order of that kind

@@ -102,6 +102,7 @@ static inline __m256i q45_codes(__m256i bits, __m256i hbits, int v) {
   return q;
 }
 
+#if KQ_VNNI
 // NR weight rows (row0, row0 + row_bytes, ...) against activation rows m0..m0+MT-1:
 // out[m * ldo + r]. Each (weight row, activation row) pair takes exactly the arithmetic of NR = 1
 // (so the same bits); NR > 1 shares the activations' loads between weight rows and gives the
@@ -203,6 +204,143 @@ static void rows_dot(const uint8_t* row0, int64_t row_bytes, const Q8K& X, int64
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MT; ++m) out[m * ldo + r] = hsum8(acc[r][m]) + (bias ? bias[r] : 0.f);
 }
+
+#else
+// AVX2 (no VNNI): a 32-weight product is vpmaddubsw (int16 pair sums), and the pair sums of
+// several vectors are added as int16 before one vpmaddwd (the sums of one lane, one sub-block):
+// Q4_K 8 vectors (at most 8 * 2 * 15 * 127 = 30480), Q5_K 4 (31496), Q6_K 2 (32004); the
+// activations are -127..127. Q4_K / Q5_K take the fp32 steps described above (the vpmaddwd by
+// ones gives dot_j). Q6_K's vpmaddwd takes the sub-block scales, as llama.cpp's AVX2 loops do:
+// lane j of the pair sums belongs to sub-block j (vectors 0-3) or 8 + j (4-7), so vpmaddwd by
+// (scale, scale) gives, exactly, sum_j = scale_j * (dot_j - 32 bsum_j) + scale_{8+j} *
+// (dot_{8+j} - 32 bsum_{8+j}), and the super-block's fp32 steps are one conversion and one
+// fmadd: acc += float(sum_j) * (d * dx). kquant_tile.h's AVX2 tiles make the same integers in
+// their own order and the same fp32 steps, so a row's result is the same bits in any batch.
+
+// 8 bytes as 16 int16: lane j (two int16) holds byte j twice, zero- or sign-extended
+template <bool SIGNED>
+static inline __m256i pair16(const uint8_t* p) {
+  const __m128i b = _mm_shuffle_epi8(load8(p), _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+  return SIGNED ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
+}
+
+// Q6_K: the scales of sub-blocks 0-7 (h = 0) or 8-15 (h = 1) as vpmaddwd pairs
+static inline __m256i q6_scale16(const uint8_t* blk, int h) { return pair16<true>(blk + 192 + 8 * h); }
+
+// Q6_K: -32 * sum_j scale_j * bsum_j over both halves (bs: the 16 sums of 16), exact
+static inline __m256i q6_offset_scaled(const int16_t* bs, __m256i sc0, __m256i sc1) {
+  // each sum of 16 zero-extended into its lane's low int16, so vpmaddwd takes it once
+  const __m128i* b = reinterpret_cast<const __m128i*>(bs);
+  const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepu16_epi32(_mm_loadu_si128(b)), sc0),
+                                     _mm256_madd_epi16(_mm256_cvtepu16_epi32(_mm_loadu_si128(b + 1)), sc1));
+  return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s, 5));
+}
+
+// acc + float(sum) * ddx (ddx = d * dx)
+static inline __m256 scaled_sum(__m256 acc, __m256i sum, __m256 ddx) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), ddx, acc);
+}
+
+// NR weight rows (row0, row0 + row_bytes, ...) against activation rows m0..m0+MT-1:
+// out[m * ldo + r]. Each (weight row, activation row) pair takes exactly the arithmetic of NR = 1
+// (so the same bits); NR > 1 shares the activations' loads between weight rows and gives the
+// core independent work (a decode's one activation row takes NR = 2 for Q4_K and Q5_K).
+template <int KIND, int NR, int MT>
+static void rows_dot(const uint8_t* row0, int64_t row_bytes, const Q8K& X, int64_t m0,
+                     float* out, int64_t ldo, const float* bias) {
+  __m256 acc[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < X.nb; ++b) {
+    const uint8_t* blk[NR];
+    for (int r = 0; r < NR; ++r) {
+      blk[r] = row0 + r * row_bytes + b * kBytes[KIND];
+      // a decode's one row streams the weights (see the VNNI rows_dot)
+      if (MT == 1 && NR == 1)
+        for (int64_t l = 0; l < kBytes[KIND]; l += 64)
+          __builtin_prefetch(blk[r] + kStreamAhead + l, 0, 3);
+    }
+    if (MT == 1 && NR > 1) {
+      const uint8_t* next = row0 + kAheadGroups * NR * row_bytes + b * NR * kBytes[KIND];
+      for (int64_t l = 0; l < NR * kBytes[KIND]; l += 64) __builtin_prefetch(next + l, 0, 3);
+    }
+    const int8_t* xq[MT];
+    const int16_t* bs[MT];
+    __m256 dx[MT];
+    for (int m = 0; m < MT; ++m) {
+      xq[m] = X.q + (m0 + m) * X.K + b * 256;
+      bs[m] = X.bsums + (m0 + m) * (X.K / 16) + b * 16;
+      dx[m] = _mm256_set1_ps(X.d[(m0 + m) * X.nb + b]);
+    }
+    __m256i sum[NR][MT];
+    if (KIND == kQ6K) {
+      __m256i sc[NR][2];
+      for (int r = 0; r < NR; ++r) {
+        sc[r][0] = q6_scale16(blk[r], 0), sc[r][1] = q6_scale16(blk[r], 1);
+        for (int m = 0; m < MT; ++m) sum[r][m] = q6_offset_scaled(bs[m], sc[r][0], sc[r][1]);
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256i q[NR][4];
+        for (int r = 0; r < NR; ++r) {
+          const __m256i b1 = load32(blk[r] + 64 * h), b2 = load32(blk[r] + 64 * h + 32);
+          const __m256i bh = load32(blk[r] + 128 + 32 * h);
+          for (int k = 0; k < 4; ++k) q[r][k] = q6_codes(b1, b2, bh, k);
+        }
+        for (int k = 0; k < 4; k += 2)
+          for (int r = 0; r < NR; ++r)
+            for (int m = 0; m < MT; ++m) {
+              const int8_t* x = xq[m] + 128 * h + 32 * k;
+              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(q[r][k], load32(x)),
+                                                 _mm256_maddubs_epi16(q[r][k + 1], load32(x + 32)));
+              sum[r][m] = _mm256_add_epi32(sum[r][m], _mm256_madd_epi16(p, sc[r][h]));
+            }
+      }
+      for (int r = 0; r < NR; ++r) {
+        const __m256 d = _mm256_set1_ps(half_to_float(blk[r] + 208));
+        for (int m = 0; m < MT; ++m) acc[r][m] = scaled_sum(acc[r][m], sum[r][m], _mm256_mul_ps(d, dx[m]));
+      }
+    } else {
+      // int16 sums of NV = 8 (Q4_K) or 4 (Q5_K) vectors, then one vpmaddwd by ones: dot_j
+      constexpr int NV = KIND == kQ4K ? 8 : 4;
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256i p[NR][MT];
+      const uint8_t* qs[NR];
+      __m256i hbits[NR];
+      for (int r = 0; r < NR; ++r) {
+        qs[r] = blk[r] + (KIND == kQ4K ? 20 : 52);
+        hbits[r] = KIND == kQ5K ? load32(blk[r] + 20) : _mm256_setzero_si256();
+        for (int m = 0; m < MT; ++m) sum[r][m] = _mm256_setzero_si256();
+      }
+      for (int j = 0; j < 4; ++j) {
+        for (int r = 0; r < NR; ++r) {
+          const __m256i bits = load32(qs[r] + 32 * j);
+          const __m256i lo = q45_codes<KIND>(bits, hbits[r], 2 * j);
+          const __m256i hi = q45_codes<KIND>(bits, hbits[r], 2 * j + 1);
+          for (int m = 0; m < MT; ++m) {
+            const __m256i pj = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load32(xq[m] + 64 * j)),
+                                                _mm256_maddubs_epi16(hi, load32(xq[m] + 64 * j + 32)));
+            p[r][m] = (2 * j) % NV == 0 ? pj : _mm256_add_epi16(p[r][m], pj);
+            if ((2 * j + 2) % NV == 0) sum[r][m] = _mm256_add_epi32(sum[r][m], _mm256_madd_epi16(p[r][m], ones));
+          }
+        }
+      }
+      __m256 bx[MT];
+      for (int m = 0; m < MT; ++m) bx[m] = q45_bx(bs[m], dx[m]);
+      for (int r = 0; r < NR; ++r) {
+        __m256 s, mn;
+        q45_scales(blk[r], s, mn);
+        for (int m = 0; m < MT; ++m) {
+          acc[r][m] = _mm256_fmadd_ps(mn, bx[m], acc[r][m]);
+          acc[r][m] = scaled(acc[r][m], s, sum[r][m], dx[m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) out[m * ldo + r] = hsum8(acc[r][m]) + (bias ? bias[r] : 0.f);
+}
+
+#endif
 
 // One weight row (its super-blocks at `row`) against activation rows m0..m0+MT-1: out[m * ldo]
 template <int KIND, int MT>

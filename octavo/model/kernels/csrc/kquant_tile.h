@@ -165,10 +165,18 @@ static inline void dot8_pairs(__m256i (&sums)[1][8], const __m256i (&q)[NV], con
   }
 }
 
+// AVX2, Q6_K: the int16 sum of 4 vectors' vpmaddubsw pair sums (codes q[0..3], values at x + 32 i);
+// less the offset of the codes' 32 it is at most 4 * 2 * 32 * 127 = 32512 (int16 adds wrap, so
+// only the final sum must fit)
+static inline __m256i pairs4(const __m256i* q, const int8_t* x) {
+  return _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(q[0], load32(x)), _mm256_maddubs_epi16(q[1], load32(x + 32))),
+                          _mm256_add_epi16(_mm256_maddubs_epi16(q[2], load32(x + 64)), _mm256_maddubs_epi16(q[3], load32(x + 96))));
+}
+
 // AVX2: NR weight rows (row, row + row_bytes, ...) against the group's 8 activation rows:
 // out[m * ldo + r] (NR = 1). The group's per-super-block data as Q8KTile lays it out for this
 // path: values [nb][8 rows][256], dx [nb][8][8], and the format's per-row terms: Q4_K / Q5_K
-// [nb][8][8] fp32 bsum_j * dx; Q6_K [nb][2][8][8] int32 -32 * bsum_j.
+// [nb][8][8] fp32 bsum_j * dx; Q6_K [nb][8][2][16] int16, q6_pair_offsets.
 template <int KIND, int NR>
 static void tile_dot(const uint8_t* row, int64_t row_bytes, const Q8KTile& T, int64_t g,
                      float* out, int64_t ldo, const float* bias) {
@@ -184,26 +192,29 @@ static void tile_dot(const uint8_t* row, int64_t row_bytes, const Q8KTile& T, in
     const float* dxb = dxg + b * 64;
     __m256i sums[NR][8];
     if (KIND == kQ6K) {
-      const int32_t* off = T.offset + (g * T.nb + b) * 128;
-      __m256 sc[NR][2];
-      for (int r = 0; r < NR; ++r) q6_scales(blk[r], sc[r][0], sc[r][1]);
+      // the super-block's 8 code vectors stay in registers while each row in turn takes its
+      // int16 sums of 4 vectors less the offset of the codes' 32 (q6_pair_offsets), the scales
+      // in the vpmaddwd, and one fmadd: rows_dot's Q6_K integers and fp32 steps
+      static_assert(NR == 1, "the AVX2 tiles take one weight row");
+      const int16_t* off = reinterpret_cast<const int16_t*>(T.offset) + (g * T.nb + b) * 256;
+      const __m256i sc0 = q6_scale16(blk[0], 0), sc1 = q6_scale16(blk[0], 1);
+      const __m256 d = _mm256_set1_ps(half_to_float(blk[0] + 208));
+      __m256i q[8];
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        for (int m = 0; m < 8; ++m) {
-          const __m256i init = load32(off + 64 * h + 8 * m);
-          for (int r = 0; r < NR; ++r) sums[r][m] = init;
-        }
-        static_assert(NR == 1, "the AVX2 tiles take one weight row");
         const __m256i b1 = load32(blk[0] + 64 * h), b2 = load32(blk[0] + 64 * h + 32);
         const __m256i bh = load32(blk[0] + 128 + 32 * h);
-        for (int k = 0; k < 4; k += 2) {
-          const __m256i qq[2] = {q6_codes(b1, b2, bh, k), q6_codes(b1, b2, bh, k + 1)};
-          dot8_pairs<2>(sums, qq, xb + 128 * h + 32 * k);
-        }
-        for (int r = 0; r < NR; ++r)
-          for (int m = 0; m < 8; ++m)
-            _mm256_store_ps(acc[r][m], scaled(_mm256_load_ps(acc[r][m]), sc[r][h], sums[r][m],
-                                              _mm256_broadcast_ss(dxb + 8 * m)));
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) q[4 * h + k] = q6_codes(b1, b2, bh, k);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < 8; ++m) {
+        const int8_t* x = xb + 256 * m;
+        const __m256i p0 = _mm256_sub_epi16(pairs4(q, x), load32(off + 32 * m));
+        const __m256i p1 = _mm256_sub_epi16(pairs4(q + 4, x + 128), load32(off + 32 * m + 16));
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(p0, sc0), _mm256_madd_epi16(p1, sc1));
+        _mm256_store_ps(acc[0][m], scaled_sum(_mm256_load_ps(acc[0][m]), sum,
+                                              _mm256_mul_ps(d, _mm256_broadcast_ss(dxb + 8 * m))));
       }
     } else {
       const float* bx = T.bx + (g * T.nb + b) * 64;
