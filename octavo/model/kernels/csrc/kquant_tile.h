@@ -2,8 +2,8 @@
 // whose quantized values (in lane order), dx and per-super-block terms kquant_linear.cpp
 // interleaved per super-block (Q8KTile), so that every load of the tile's inner loop is one base
 // pointer plus a constant, and the per-row work of kquant_simd.h's rows_dot that does not depend
-// on the weights (the mins' bsum_j * dx, Q6_K's -32 * bsum_j) was done once per call instead of
-// once per weight row.
+// on the weights (the mins' bsum_j * dx; Q6_K's offsets of the codes' 32: -32 * bsum_j on the VNNI
+// path, q6_pair_offsets on the AVX2 path) was done once per call instead of once per weight row.
 //
 // The result is rows_dot<KIND, 1, 1>'s bit for bit: each int32 lane of a super-block's sums holds
 // the same products (integer sums are exact in any order), each fp32 lane takes the same
@@ -152,8 +152,8 @@ static void tile_dot(const uint8_t* row, int64_t row_bytes, const Q8KTile& T, in
 // vpmaddubsw pair sums added as int16 and widened once (vpmaddwd by ones): 3 NV instructions
 // become 2 NV + 1 per row. Every vector's lane j belongs to the same sub-block, so the int16
 // sums stay per lane; they cannot wrap: a pair is at most 2 * 15 * 127 = 3810 for Q4_K (4 of
-// them 15240), 2 * 31 * 127 = 7874 for Q5_K (31496), 2 * 63 * 127 = 16002 for Q6_K (NV = 2:
-// 32004), and the activations are -127..127
+// them 15240), 2 * 31 * 127 = 7874 for Q5_K (31496), and the activations are -127..127 (Q4_K
+// and Q5_K; Q6_K takes pairs4)
 template <int NV>
 static inline void dot8_pairs(__m256i (&sums)[1][8], const __m256i (&q)[NV], const int8_t* x) {
   const __m256i ones = _mm256_set1_epi16(1);
