@@ -102,6 +102,32 @@ static inline __m256i q45_codes(__m256i bits, __m256i hbits, int v) {
   return q;
 }
 
+// rows_dot's set-up of super-block b: the NR weight rows' blocks (blk), and each activation row's
+// values (xq), sums of 16 (bs) and dx. A decode's one row streams the weights: one weight row asks
+// for the bytes kStreamAhead past this super-block; NR rows read in step are NR short streams,
+// which the hardware's prefetcher does not follow (Q4_K from memory, 4 rows: 6.4 GB/s, 11.4 with
+// the one-row distance), so each super-block asks, in order, for as many bytes of the group of
+// NR rows kAheadGroups groups ahead
+template <int KIND, int NR, int MT>
+static inline void super_block(const uint8_t* row0, int64_t row_bytes, const Q8K& X, int64_t m0,
+                               int64_t b, const uint8_t* (&blk)[NR], const int8_t* (&xq)[MT],
+                               const int16_t* (&bs)[MT], __m256 (&dx)[MT]) {
+  for (int r = 0; r < NR; ++r) {
+    blk[r] = row0 + r * row_bytes + b * kBytes[KIND];
+    if (MT == 1 && NR == 1)
+      for (int64_t l = 0; l < kBytes[KIND]; l += 64) __builtin_prefetch(blk[r] + kStreamAhead + l, 0, 3);
+  }
+  if (MT == 1 && NR > 1) {
+    const uint8_t* next = row0 + kAheadGroups * NR * row_bytes + b * NR * kBytes[KIND];
+    for (int64_t l = 0; l < NR * kBytes[KIND]; l += 64) __builtin_prefetch(next + l, 0, 3);
+  }
+  for (int m = 0; m < MT; ++m) {
+    xq[m] = X.q + (m0 + m) * X.K + b * 256;
+    bs[m] = X.bsums + (m0 + m) * (X.K / 16) + b * 16;
+    dx[m] = _mm256_set1_ps(X.d[(m0 + m) * X.nb + b]);
+  }
+}
+
 #if KQ_VNNI
 // NR weight rows (row0, row0 + row_bytes, ...) against activation rows m0..m0+MT-1:
 // out[m * ldo + r]. Each (weight row, activation row) pair takes exactly the arithmetic of NR = 1
@@ -115,29 +141,10 @@ static void rows_dot(const uint8_t* row0, int64_t row_bytes, const Q8K& X, int64
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < X.nb; ++b) {
     const uint8_t* blk[NR];
-    for (int r = 0; r < NR; ++r) {
-      blk[r] = row0 + r * row_bytes + b * kBytes[KIND];
-      // a decode's one row streams the weights: one weight row asks for the bytes kStreamAhead
-      // past this super-block; NR rows read in step are NR short streams, which the hardware's
-      // prefetcher does not follow (Q4_K from memory, 4 rows: 6.4 GB/s, 11.4 with the one-row
-      // distance), so each super-block asks, in order, for as many bytes of the group of NR
-      // rows kAheadGroups groups ahead
-      if (MT == 1 && NR == 1)
-        for (int64_t l = 0; l < kBytes[KIND]; l += 64)
-          __builtin_prefetch(blk[r] + kStreamAhead + l, 0, 3);
-    }
-    if (MT == 1 && NR > 1) {
-      const uint8_t* next = row0 + kAheadGroups * NR * row_bytes + b * NR * kBytes[KIND];
-      for (int64_t l = 0; l < NR * kBytes[KIND]; l += 64) __builtin_prefetch(next + l, 0, 3);
-    }
     const int8_t* xq[MT];
     const int16_t* bs[MT];
     __m256 dx[MT];
-    for (int m = 0; m < MT; ++m) {
-      xq[m] = X.q + (m0 + m) * X.K + b * 256;
-      bs[m] = X.bsums + (m0 + m) * (X.K / 16) + b * 16;
-      dx[m] = _mm256_set1_ps(X.d[(m0 + m) * X.nb + b]);
-    }
+    super_block<KIND, NR, MT>(row0, row_bytes, X, m0, b, blk, xq, bs, dx);
     if (KIND == kQ6K) {
       __m256i sums[2][NR][MT];  // sub-blocks 0-7 (vectors 0-3), 8-15 (vectors 4-7)
       for (int h = 0; h < 2; ++h)
@@ -253,25 +260,10 @@ static void rows_dot(const uint8_t* row0, int64_t row_bytes, const Q8K& X, int64
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < X.nb; ++b) {
     const uint8_t* blk[NR];
-    for (int r = 0; r < NR; ++r) {
-      blk[r] = row0 + r * row_bytes + b * kBytes[KIND];
-      // a decode's one row streams the weights (see the VNNI rows_dot)
-      if (MT == 1 && NR == 1)
-        for (int64_t l = 0; l < kBytes[KIND]; l += 64)
-          __builtin_prefetch(blk[r] + kStreamAhead + l, 0, 3);
-    }
-    if (MT == 1 && NR > 1) {
-      const uint8_t* next = row0 + kAheadGroups * NR * row_bytes + b * NR * kBytes[KIND];
-      for (int64_t l = 0; l < NR * kBytes[KIND]; l += 64) __builtin_prefetch(next + l, 0, 3);
-    }
     const int8_t* xq[MT];
     const int16_t* bs[MT];
     __m256 dx[MT];
-    for (int m = 0; m < MT; ++m) {
-      xq[m] = X.q + (m0 + m) * X.K + b * 256;
-      bs[m] = X.bsums + (m0 + m) * (X.K / 16) + b * 16;
-      dx[m] = _mm256_set1_ps(X.d[(m0 + m) * X.nb + b]);
-    }
+    super_block<KIND, NR, MT>(row0, row_bytes, X, m0, b, blk, xq, bs, dx);
     __m256i sum[NR][MT];
     if (KIND == kQ6K) {
       __m256i sc[NR][2];
